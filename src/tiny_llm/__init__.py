@@ -1,0 +1,58 @@
+"""tiny_llm: your solution of the tiny-llm course. Each exercise raises
+NotImplementedError naming its day and task until you write it."""
+
+from .attention import (
+    SimpleMultiHeadAttention,
+    causal_mask,
+    scaled_dot_product_attention_grouped,
+    scaled_dot_product_attention_simple,
+)
+from .basics import linear, silu, softmax
+from .batch import BatchStep, Request, batch_generate
+from .batching_kv_cache import BatchingKvCache
+from .generate import simple_generate, simple_generate_with_kv_cache
+from .kv_cache import TinyKvCache, TinyKvFullCache
+from .layer_norm import RMSNorm
+from .mlp import Qwen3MLP
+from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
+from .positional_encoding import RoPE
+from .qwen3 import Qwen3AttentionWithCache, Qwen3Model, attention_mask
+from .qwen3_week1 import (
+    Qwen3ModelWeek1,
+    Qwen3MultiHeadAttention,
+    Qwen3TransformerBlock,
+    take_weight,
+)
+from .sampler import make_sampler
+
+__all__ = [
+    "BatchStep",
+    "BatchingKvCache",
+    "PagePoolExhausted",
+    "Qwen3AttentionWithCache",
+    "Qwen3MLP",
+    "Qwen3Model",
+    "Qwen3ModelWeek1",
+    "Qwen3MultiHeadAttention",
+    "Qwen3TransformerBlock",
+    "RMSNorm",
+    "Request",
+    "RoPE",
+    "SimpleMultiHeadAttention",
+    "TinyKvCache",
+    "TinyKvFullCache",
+    "TinyKvPagedCache",
+    "TinyKvPagedPool",
+    "attention_mask",
+    "batch_generate",
+    "causal_mask",
+    "linear",
+    "make_sampler",
+    "scaled_dot_product_attention_grouped",
+    "scaled_dot_product_attention_simple",
+    "silu",
+    "simple_generate",
+    "simple_generate_with_kv_cache",
+    "softmax",
+    "take_weight",
+]

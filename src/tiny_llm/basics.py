@@ -1,0 +1,18 @@
+"""Week 1 Day 1: the small array helpers every later module uses."""
+
+import mlx.core as mx
+
+
+def softmax(x: mx.array, axis: int = -1) -> mx.array:
+    """Numerically stable softmax, computed in float32 and cast back."""
+    raise NotImplementedError("Week 1 Day 1, Task 1: implement a numerically stable softmax")
+
+
+def linear(x: mx.array, w: mx.array, bias: mx.array | None = None) -> mx.array:
+    """x [..., I] times a weight stored as [O, I] (the checkpoint layout) -> [..., O]."""
+    raise NotImplementedError("Week 1 Day 1, Task 2: implement linear (x @ w.T + bias)")
+
+
+def silu(x: mx.array) -> mx.array:
+    """x * sigmoid(x), the gate activation of the SwiGLU MLP."""
+    raise NotImplementedError("Week 1 Day 4, Task 2: implement silu")

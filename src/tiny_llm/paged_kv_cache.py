@@ -1,0 +1,100 @@
+"""Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook.
+
+A pool owns fixed-size pages of key/value storage for one layer; a request's cache owns only
+a page table (which pages hold its tokens, in order). Releasing a request returns its pages.
+"""
+
+import mlx.core as mx
+
+from .kv_cache import TinyKvCache
+
+
+class PagePoolExhausted(RuntimeError):
+    """The pool reached its page limit; nothing was allocated or written."""
+
+
+class TinyKvPagedPool:
+    """Pages of one layer: key_pages[i] / value_pages[i] are [H_kv, page_size, D] arrays."""
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 16,
+        max_pages: int | None = None,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_pages is not None and max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1 or None, got {max_pages}")
+        self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
+        self.max_pages, self.dtype = max_pages, dtype
+        self.key_pages: list[mx.array] = []
+        self.value_pages: list[mx.array] = []
+        self.free_pages: list[int] = []
+        self.num_allocations = 0  # pages handed out over the pool's life (reuse counts again)
+        self.peak_in_use = 0
+
+    @property
+    def num_pages(self) -> int:
+        """Physical pages created so far (in use or free)."""
+        return len(self.key_pages)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def can_allocate(self, n: int) -> bool:
+        raise NotImplementedError("Week 2 Day 2, Task 1: count the pages the pool can still hand out")
+
+    def allocate(self) -> int:
+        """Hand out a free page, reusing a released one before creating a new one."""
+        raise NotImplementedError("Week 2 Day 2, Task 1: allocate a page (reuse freed pages first)")
+
+    def free(self, page: int) -> None:
+        raise NotImplementedError("Week 2 Day 2, Task 1: return a page to the free list")
+
+    def write(self, page: int, start: int, key: mx.array, value: mx.array) -> None:
+        """Store key/value [H_kv, n, D] at slots start .. start + n of one page."""
+        raise NotImplementedError("Week 2 Day 2, Task 2: write keys/values into a page")
+
+    def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
+        """The first `length` tokens stored in `pages`, as dense [H_kv, length, D] arrays."""
+        raise NotImplementedError("Week 2 Day 2, Task 2: read pages back in page-table order")
+
+
+class TinyKvPagedCache(TinyKvCache):
+    """One request's view of a pool: a page table and a token count."""
+
+    def __init__(self, pool: TinyKvPagedPool):
+        self.pool = pool
+        self.page_table: list[int] = []
+        self._offset = 0
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def _check(self, key: mx.array, value: mx.array) -> None:
+        pool = self.pool
+        expected = (1, pool.num_kv_heads, key.shape[2], pool.head_dim)
+        if key.shape != expected or value.shape != expected:
+            raise ValueError(
+                f"paged cache takes key/value of shape [1, {pool.num_kv_heads}, L, "
+                f"{pool.head_dim}], got {key.shape} and {value.shape}"
+            )
+        if key.dtype != pool.dtype or value.dtype != pool.dtype:
+            raise ValueError(f"pool stores {pool.dtype}, got {key.dtype} and {value.dtype}")
+
+    def update_and_fetch(
+        self, key: mx.array, value: mx.array
+    ) -> tuple[mx.array, mx.array, None]:
+        # key/value [1, H_kv, L, D]
+        raise NotImplementedError("Week 2 Day 2, Task 3: append through the page table")
+
+    def materialize(self) -> None:
+        raise NotImplementedError("Week 3 Day 2, Task 3: evaluate the pool pages without gathering them")
+
+    def release(self) -> None:
+        raise NotImplementedError("Week 2 Day 2, Task 4: release every page of the request")

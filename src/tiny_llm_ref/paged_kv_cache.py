@@ -1,0 +1,152 @@
+"""Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook.
+
+A pool owns fixed-size pages of key/value storage for one layer; a request's cache owns only
+a page table (which pages hold its tokens, in order). Releasing a request returns its pages.
+"""
+
+import mlx.core as mx
+
+from .kv_cache import TinyKvCache
+
+
+class PagePoolExhausted(RuntimeError):
+    """The pool reached its page limit; nothing was allocated or written."""
+
+
+class TinyKvPagedPool:
+    """Pages of one layer: key_pages[i] / value_pages[i] are [H_kv, page_size, D] arrays."""
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 16,
+        max_pages: int | None = None,
+        dtype: mx.Dtype = mx.float32,
+    ):
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        if max_pages is not None and max_pages < 1:
+            raise ValueError(f"max_pages must be >= 1 or None, got {max_pages}")
+        self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
+        self.max_pages, self.dtype = max_pages, dtype
+        self.key_pages: list[mx.array] = []
+        self.value_pages: list[mx.array] = []
+        self.free_pages: list[int] = []
+        self.num_allocations = 0  # pages handed out over the pool's life (reuse counts again)
+        self.peak_in_use = 0
+
+    @property
+    def num_pages(self) -> int:
+        """Physical pages created so far (in use or free)."""
+        return len(self.key_pages)
+
+    @property
+    def num_in_use(self) -> int:
+        return self.num_pages - len(self.free_pages)
+
+    def can_allocate(self, n: int) -> bool:
+        if self.max_pages is None:
+            return True
+        return n <= len(self.free_pages) + (self.max_pages - self.num_pages)
+
+    def allocate(self) -> int:
+        """Hand out a free page, reusing a released one before creating a new one."""
+        if self.free_pages:
+            page = self.free_pages.pop()
+        elif self.max_pages is None or self.num_pages < self.max_pages:
+            shape = (self.num_kv_heads, self.page_size, self.head_dim)
+            self.key_pages.append(mx.zeros(shape, dtype=self.dtype))
+            self.value_pages.append(mx.zeros(shape, dtype=self.dtype))
+            page = self.num_pages - 1
+        else:
+            raise PagePoolExhausted(f"all {self.max_pages} pages are in use")
+        self.num_allocations += 1
+        self.peak_in_use = max(self.peak_in_use, self.num_in_use)
+        return page
+
+    def free(self, page: int) -> None:
+        if not 0 <= page < self.num_pages:
+            raise ValueError(f"page {page} does not belong to this pool")
+        if page in self.free_pages:
+            raise ValueError(f"page {page} is already free")
+        self.free_pages.append(page)
+
+    def write(self, page: int, start: int, key: mx.array, value: mx.array) -> None:
+        """Store key/value [H_kv, n, D] at slots start .. start + n of one page."""
+        end = start + key.shape[1]
+        self.key_pages[page][:, start:end, :] = key
+        self.value_pages[page][:, start:end, :] = value
+
+    def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
+        """The first `length` tokens stored in `pages`, as dense [H_kv, length, D] arrays."""
+        keys = mx.concatenate([self.key_pages[p] for p in pages], axis=1)[:, :length, :]
+        values = mx.concatenate([self.value_pages[p] for p in pages], axis=1)[:, :length, :]
+        return keys, values
+
+
+class TinyKvPagedCache(TinyKvCache):
+    """One request's view of a pool: a page table and a token count."""
+
+    def __init__(self, pool: TinyKvPagedPool):
+        self.pool = pool
+        self.page_table: list[int] = []
+        self._offset = 0
+
+    @property
+    def offset(self) -> int:
+        return self._offset
+
+    def _check(self, key: mx.array, value: mx.array) -> None:
+        pool = self.pool
+        expected = (1, pool.num_kv_heads, key.shape[2], pool.head_dim)
+        if key.shape != expected or value.shape != expected:
+            raise ValueError(
+                f"paged cache takes key/value of shape [1, {pool.num_kv_heads}, L, "
+                f"{pool.head_dim}], got {key.shape} and {value.shape}"
+            )
+        if key.dtype != pool.dtype or value.dtype != pool.dtype:
+            raise ValueError(f"pool stores {pool.dtype}, got {key.dtype} and {value.dtype}")
+
+    def update_and_fetch(
+        self, key: mx.array, value: mx.array
+    ) -> tuple[mx.array, mx.array, None]:
+        # key/value [1, H_kv, L, D]
+        self._check(key, value)
+        size = self.pool.page_size
+        length = key.shape[2]
+        new_offset = self._offset + length
+        pages_needed = -(-new_offset // size) - len(self.page_table)
+        if not self.pool.can_allocate(pages_needed):
+            raise PagePoolExhausted(
+                f"appending {length} tokens needs {pages_needed} more pages; "
+                f"the pool has {self.pool.max_pages} pages, {self.pool.num_in_use} in use"
+            )
+        self.page_table += [self.pool.allocate() for _ in range(pages_needed)]
+        written = 0
+        while written < length:
+            pos = self._offset + written
+            start = pos % size
+            n = min(size - start, length - written)
+            self.pool.write(
+                self.page_table[pos // size],
+                start,
+                key[0, :, written : written + n, :],
+                value[0, :, written : written + n, :],
+            )
+            written += n
+        self._offset = new_offset
+        keys, values = self.pool.gather(self.page_table, new_offset)  # [H_kv, S, D]
+        return keys[None], values[None], None  # [1, H_kv, S, D]
+
+    def materialize(self) -> None:
+        pool = self.pool
+        pages = [pool.key_pages[p] for p in self.page_table]
+        pages += [pool.value_pages[p] for p in self.page_table]
+        mx.eval(*pages)
+
+    def release(self) -> None:
+        for page in self.page_table:
+            self.pool.free(page)
+        self.page_table = []
+        self._offset = 0

@@ -1,0 +1,28 @@
+"""What the course does not ask students to write: loading checkpoints and tokenizers,
+synthetic tiny checkpoints, model names, and device / BLAS set-up."""
+
+from .checkpoint import Checkpoint, expected_shapes, load_checkpoint
+from .config import Qwen3Config
+from .device import OPENBLAS_HINT, blas_info, choose_device, gpu_available, openblas_path
+from .models import SHORTCUTS, ModelNotAvailableError, resolve_model
+from .tiny import make_tiny_checkpoint
+from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
+
+__all__ = [
+    "Qwen3Config",
+    "Checkpoint",
+    "load_checkpoint",
+    "expected_shapes",
+    "make_tiny_checkpoint",
+    "Tokenizer",
+    "load_tokenizer",
+    "StreamingDetokenizer",
+    "SHORTCUTS",
+    "resolve_model",
+    "ModelNotAvailableError",
+    "choose_device",
+    "gpu_available",
+    "blas_info",
+    "openblas_path",
+    "OPENBLAS_HINT",
+]

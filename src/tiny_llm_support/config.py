@@ -1,0 +1,108 @@
+"""The Qwen3 model configuration, parsed from a Hugging Face `config.json`."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+_REQUIRED = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "rms_norm_eps",
+    "max_position_embeddings",
+)
+
+
+@dataclass(frozen=True)
+class Qwen3Config:
+    """The hyper-parameters of a Qwen3 checkpoint (`raw` keeps the whole config.json)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    torch_dtype: str = "float32"
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str | Path = "config.json") -> Qwen3Config:
+        """Parse a config dict; `source` names the file in error messages."""
+        model_type = d.get("model_type")
+        if model_type != "qwen3":
+            raise ValueError(
+                f"{source}: model_type is {model_type!r}, but only 'qwen3' checkpoints are supported"
+            )
+        for key in _REQUIRED:
+            if key not in d:
+                raise ValueError(f"{source}: required key {key!r} is missing")
+        heads = int(d["num_attention_heads"])
+        config = cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_hidden_layers=int(d["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
+            rms_norm_eps=float(d["rms_norm_eps"]),
+            rope_theta=_rope_theta(d, source),
+            max_position_embeddings=int(d["max_position_embeddings"]),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            raw=dict(d),
+        )
+        config._check(source)
+        return config
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> Qwen3Config:
+        """Read and parse a config.json file."""
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"config file not found: {path}")
+        with open(path, encoding="utf-8") as f:
+            return cls.from_dict(json.load(f), source=path)
+
+    def _check(self, source: str | Path) -> None:
+        sizes = {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+        }
+        for key, value in sizes.items():
+            if value <= 0:
+                raise ValueError(f"{source}: {key} must be positive, got {value}")
+        if self.num_attention_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple "
+                f"of num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+
+def _rope_theta(d: dict[str, Any], source: str | Path) -> float:
+    """rope_theta sits at the top level (older configs) or in rope_parameters (newer ones)."""
+    if "rope_theta" in d:
+        return float(d["rope_theta"])
+    params = d.get("rope_parameters") or {}
+    if "rope_theta" in params:
+        rope_type = params.get("rope_type", "default")
+        if rope_type != "default":
+            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported, only 'default'")
+        return float(params["rope_theta"])
+    raise ValueError(f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)")

@@ -1,0 +1,210 @@
+"""Tokenizer loading (tokenizer.json + tokenizer_config.json), chat templates, streaming."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import tokenizers
+from jinja2 import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Tokenizer:
+    """A Hugging Face `tokenizers.Tokenizer` plus what tokenizer_config.json adds to it."""
+
+    def __init__(
+        self,
+        tokenizer: tokenizers.Tokenizer,
+        config: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self.hf_tokenizer = tokenizer
+        self.config = dict(config or {})
+        self.chat_template = chat_template or _pick_template(self.config.get("chat_template"))
+        self.eos_token = _token_content(self.config.get("eos_token")) or self._fallback_eos()
+        self.eos_token_id = self._require_id(self.eos_token)
+        self.bos_token = _token_content(self.config.get("bos_token"))
+        self.pad_token = _token_content(self.config.get("pad_token"))
+        self.pad_token_id = self.token_to_id(self.pad_token) if self.pad_token else None
+        self.eos_token_ids = self._collect_eos_ids(generation_config or {})
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added (special) tokens included."""
+        return self.hf_tokenizer.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Text to ids. Nothing is added, but special-token strings in `text` become their ids."""
+        return self.hf_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = False) -> str:
+        """Ids to text (invalid or incomplete UTF-8 becomes U+FFFD)."""
+        return self.hf_tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.hf_tokenizer.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self.hf_tokenizer.id_to_token(token_id)
+
+    def detokenizer(self) -> StreamingDetokenizer:
+        """A fresh streaming detokenizer for this tokenizer."""
+        return StreamingDetokenizer(self)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        enable_thinking: bool = False,
+        **kwargs: Any,
+    ) -> str:
+        """Render `messages` with the checkpoint's jinja chat template (sandboxed)."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat_template (tokenizer_config.json)")
+        template = _jinja_env().from_string(self.chat_template)
+        variables = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token,
+            "pad_token": self.pad_token or "",
+            "tools": None,
+            "documents": None,
+            **kwargs,
+        }
+        return template.render(
+            messages=messages,
+            add_generation_prompt=add_generation_prompt,
+            enable_thinking=enable_thinking,
+            **variables,
+        )
+
+    def _fallback_eos(self) -> str:
+        for token in ("<|im_end|>", "<|endoftext|>", "</s>"):
+            if self.token_to_id(token) is not None:
+                return token
+        raise ValueError("tokenizer_config.json names no eos_token and no known eos token exists")
+
+    def _require_id(self, token: str) -> int:
+        token_id = self.token_to_id(token)
+        if token_id is None:
+            raise ValueError(f"eos token {token!r} is not in the tokenizer's vocabulary")
+        return token_id
+
+    def _collect_eos_ids(self, generation_config: dict[str, Any]) -> set[int]:
+        ids = {self.eos_token_id}
+        endoftext = self.token_to_id("<|endoftext|>")
+        if endoftext is not None:
+            ids.add(endoftext)
+        extra = generation_config.get("eos_token_id")
+        if isinstance(extra, int):
+            ids.add(extra)
+        elif isinstance(extra, list):
+            ids.update(int(i) for i in extra)
+        return ids
+
+
+class StreamingDetokenizer:
+    """Turns a stream of token ids into text segments, never splitting a UTF-8 character.
+
+    Each new token is decoded together with the previously finalized segment (as context for
+    decoders that treat the start of a string specially); text ending in U+FFFD, an incomplete
+    character, is held back until later tokens complete it or `finalize()` is called.
+    """
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+        self._context_start = 0  # first token of the segment finalized last
+        self._pending_start = 0  # first token whose text is not in self.text yet
+
+    def add_token(self, token_id: int) -> str:
+        """Add one token id; return the text it finalizes ("" while a character is incomplete)."""
+        self.tokens.append(int(token_id))
+        context = self.tokens[self._context_start : self._pending_start]
+        before = self.tokenizer.decode(context)
+        after = self.tokenizer.decode(self.tokens[self._context_start :])
+        if after.endswith(REPLACEMENT_CHAR) or not after.startswith(before):
+            return ""
+        return self._accept(after[len(before) :])
+
+    def finalize(self) -> str:
+        """Flush everything held back; afterwards `text == tokenizer.decode(tokens)`."""
+        full = self.tokenizer.decode(self.tokens)
+        rest = full[len(self.text) :] if full.startswith(self.text) else full
+        self.text = full
+        self._context_start = self._pending_start = len(self.tokens)
+        return rest
+
+    def _accept(self, segment: str) -> str:
+        self.text += segment
+        self._context_start = self._pending_start
+        self._pending_start = len(self.tokens)
+        return segment
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """Load tokenizer.json, tokenizer_config.json and (if present) generation_config.json."""
+    path = Path(path)
+    tokenizer_file = path / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        raise FileNotFoundError(f"tokenizer.json not found in {path}")
+    hf_tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    config = _read_json(path / "tokenizer_config.json")
+    generation_config = _read_json(path / "generation_config.json")
+    template_file = path / "chat_template.jinja"
+    template = None
+    if not config.get("chat_template") and template_file.is_file():
+        template = template_file.read_text(encoding="utf-8")
+    return Tokenizer(hf_tokenizer, config, generation_config, chat_template=template)
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _token_content(token: Any) -> str | None:
+    """tokenizer_config.json writes special tokens as strings or as {"content": ...} dicts."""
+    if isinstance(token, dict):
+        return token.get("content")
+    return token
+
+
+def _pick_template(template: Any) -> str | None:
+    """A chat_template is a string, or a list of {"name", "template"} with a "default" one."""
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template}
+        return named.get("default") or next(iter(named.values()), None)
+    return template
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _jinja_env() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
