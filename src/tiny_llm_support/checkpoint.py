@@ -114,9 +114,7 @@ def check_weights(weights: dict[str, mx.array], config: Qwen3Config, path: Path)
             raise ValueError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
         got = tuple(weights[name].shape)
         if got != shape:
-            raise ValueError(
-                f"{path}: tensor {name} has shape {list(got)}, expected {list(shape)}"
-            )
+            raise ValueError(f"{path}: tensor {name} has shape {list(got)}, expected {list(shape)}")
 
 
 def _tie_lm_head(weights: dict[str, mx.array], config: Qwen3Config, path: Path) -> None:

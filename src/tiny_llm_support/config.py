@@ -105,4 +105,6 @@ def _rope_theta(d: dict[str, Any], source: str | Path) -> float:
         if rope_type != "default":
             raise ValueError(f"{source}: rope_type {rope_type!r} is not supported, only 'default'")
         return float(params["rope_theta"])
-    raise ValueError(f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)")
+    raise ValueError(
+        f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)"
+    )

@@ -1,0 +1,525 @@
+"""Tests for tiny_llm_support: checkpoints, tokenizer, model names, device and BLAS helpers."""
+
+import json
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import tiny_llm_support as support
+from tiny_llm_support import (
+    OPENBLAS_HINT,
+    SHORTCUTS,
+    ModelNotAvailableError,
+    Qwen3Config,
+    StreamingDetokenizer,
+    blas_info,
+    choose_device,
+    load_checkpoint,
+    load_tokenizer,
+    make_tiny_checkpoint,
+    openblas_path,
+    resolve_model,
+)
+
+EMBED = "model.embed_tokens.weight"
+LM_HEAD = "lm_head.weight"
+Q_PROJ = "model.layers.1.self_attn.q_proj.weight"
+
+MIXED_TEXTS = [
+    "Hello, world!",
+    "emoji 😀🐱‍👤 and flags 🇫🇷",
+    "中文字符和日本語のテキスト",
+    "mixed: naïve café — 42 × 3 = 126 ✓ 😀中",
+    "line one\nline two\n\n\ttabbed  spaces   ",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load_checkpoint(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny):
+    return tiny.tokenizer
+
+
+def rewrite_weights(path: Path, edit) -> None:
+    weights = dict(mx.load(str(path / "model.safetensors")))
+    edit(weights)
+    mx.save_safetensors(str(path / "model.safetensors"), weights)
+
+
+def edit_config(path: Path, **changes) -> None:
+    config = json.loads((path / "config.json").read_text())
+    config.update(changes)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+# --- config ---------------------------------------------------------------------------------
+
+
+def base_config(**changes) -> dict:
+    d = {
+        "model_type": "qwen3",
+        "vocab_size": 100,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e6,
+        "max_position_embeddings": 4096,
+    }
+    d.update(changes)
+    return d
+
+
+def test_config_defaults():
+    config = Qwen3Config.from_dict(base_config())
+    assert config.head_dim == 8
+    assert config.num_key_value_heads == 8
+    assert config.tie_word_embeddings is False
+    assert config.rope_theta == 1e6
+    assert config.raw["vocab_size"] == 100
+
+
+def test_config_rope_parameters_form():
+    d = base_config()
+    del d["rope_theta"]
+    d["rope_parameters"] = {"rope_theta": 5e5, "rope_type": "default"}
+    assert Qwen3Config.from_dict(d).rope_theta == 5e5
+
+
+def test_config_missing_key_names_key_and_file():
+    d = base_config()
+    del d["hidden_size"]
+    with pytest.raises(ValueError, match=r"some/config\.json.*hidden_size"):
+        Qwen3Config.from_dict(d, source="some/config.json")
+    del d["rope_theta"]
+    d["hidden_size"] = 64
+    with pytest.raises(ValueError, match="rope_theta"):
+        Qwen3Config.from_dict(d)
+
+
+def test_config_wrong_model_type():
+    with pytest.raises(ValueError, match="llama"):
+        Qwen3Config.from_dict(base_config(model_type="llama"))
+
+
+def test_config_heads_must_divide():
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        Qwen3Config.from_dict(base_config(num_key_value_heads=3))
+
+
+# --- make_tiny_checkpoint / load_checkpoint -------------------------------------------------
+
+
+def test_tiny_checkpoint_layout(tiny_dir, tiny):
+    for name in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]:
+        assert (tiny_dir / name).is_file()
+    raw = json.loads((tiny_dir / "config.json").read_text())
+    assert raw["model_type"] == "qwen3"
+    assert raw["architectures"] == ["Qwen3ForCausalLM"]
+    c = tiny.config
+    assert (c.hidden_size, c.intermediate_size, c.num_hidden_layers) == (64, 128, 2)
+    assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (4, 2, 32)
+    assert c.vocab_size == tiny.tokenizer.vocab_size
+    assert 512 <= c.vocab_size <= 1024
+    assert c.tie_word_embeddings and c.torch_dtype == "float32"
+    assert tiny.weights[Q_PROJ].shape == (4 * 32, 64)
+    assert tiny.weights["model.layers.0.self_attn.k_norm.weight"].shape == (32,)
+    assert all(w.dtype == mx.float32 for w in tiny.weights.values())
+
+
+def test_tied_lm_head_is_embedding(tiny_dir, tiny):
+    assert LM_HEAD not in mx.load(str(tiny_dir / "model.safetensors"))
+    assert tiny.weights[LM_HEAD] is tiny.weights[EMBED]
+
+
+def test_untied_lm_head_is_distinct(tmp_path):
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, tie_word_embeddings=False))
+    assert ckpt.config.tie_word_embeddings is False
+    head, embed = ckpt.weights[LM_HEAD], ckpt.weights[EMBED]
+    assert head is not embed and head.shape == embed.shape
+    assert not mx.array_equal(head, embed)
+
+
+def test_rope_in_parameters(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, rope_in_parameters=True, rope_theta=5e5)
+    raw = json.loads((path / "config.json").read_text())
+    assert "rope_theta" not in raw
+    assert raw["rope_parameters"] == {"rope_theta": 5e5, "rope_type": "default"}
+    assert load_checkpoint(path).config.rope_theta == 5e5
+
+
+def test_overrides(tmp_path):
+    ckpt = load_checkpoint(
+        make_tiny_checkpoint(tmp_path, num_hidden_layers=3, num_key_value_heads=4)
+    )
+    assert ckpt.config.num_hidden_layers == 3
+    assert ckpt.weights["model.layers.2.self_attn.k_proj.weight"].shape == (4 * 32, 64)
+
+
+def test_vocab_size_override(tmp_path):
+    base = load_checkpoint(make_tiny_checkpoint(tmp_path / "a")).config.vocab_size
+    bigger = load_checkpoint(make_tiny_checkpoint(tmp_path / "b", vocab_size=base + 7))
+    assert bigger.weights[EMBED].shape == (base + 7, 64)
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_tiny_checkpoint(tmp_path / "c", vocab_size=base - 1)
+
+
+def test_sharded_equals_unsharded(tmp_path):
+    single = load_checkpoint(make_tiny_checkpoint(tmp_path / "one", seed=3))
+    sharded_dir = make_tiny_checkpoint(tmp_path / "three", seed=3, shards=3)
+    shard_files = sorted(p.name for p in sharded_dir.glob("*.safetensors"))
+    assert shard_files == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == set(shard_files)
+    sharded = load_checkpoint(sharded_dir)
+    assert sharded.weights.keys() == single.weights.keys()
+    for name, w in single.weights.items():
+        assert mx.array_equal(w, sharded.weights[name]), name
+
+
+def test_deterministic(tmp_path):
+    a = make_tiny_checkpoint(tmp_path / "a", seed=0)
+    b = make_tiny_checkpoint(tmp_path / "b", seed=0)
+    c = make_tiny_checkpoint(tmp_path / "c", seed=1)
+    for f in sorted(a.iterdir()):
+        assert f.read_bytes() == (b / f.name).read_bytes(), f.name
+    wa, wc = load_checkpoint(a).weights, load_checkpoint(c).weights
+    assert not mx.array_equal(wa[EMBED], wc[EMBED])
+    assert not mx.array_equal(wa[Q_PROJ], wc[Q_PROJ])
+
+
+def test_weight_scales(tiny):
+    w = {k: np.array(v) for k, v in tiny.weights.items()}
+    assert 0.9 < w[EMBED].std() < 1.1
+    assert abs(w["model.norm.weight"].mean() - 1) < 0.1
+    assert np.abs(w["model.layers.0.input_layernorm.weight"] - 1).max() < 0.6
+    assert 0.9 < w[Q_PROJ].std() * np.sqrt(64) < 1.1
+
+
+def test_logits_far_from_uniform(tmp_path):
+    """mlx-lm (a test oracle) loads the tiny checkpoint; greedy choices have clear margins."""
+    load_model = pytest.importorskip("mlx_lm.utils").load_model
+    for tie in (True, False):
+        model, _ = load_model(make_tiny_checkpoint(tmp_path / str(tie), tie_word_embeddings=tie))
+        tokens = mx.array(np.random.RandomState(0).randint(0, 600, (4, 16)))
+        top2 = mx.sort(model(tokens), axis=-1)[..., -2:]
+        gaps = np.array(top2[..., 1] - top2[..., 0])
+        assert np.median(gaps) > 0.5, (tie, np.median(gaps))
+
+
+def test_missing_tensor_named(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    rewrite_weights(path, lambda w: w.pop(Q_PROJ))
+    with pytest.raises(ValueError, match=rf"{Q_PROJ} is missing"):
+        load_checkpoint(path)
+
+
+def test_missing_untied_lm_head(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, tie_word_embeddings=False)
+    rewrite_weights(path, lambda w: w.pop(LM_HEAD))
+    with pytest.raises(ValueError, match=r"lm_head\.weight.*tie_word_embeddings"):
+        load_checkpoint(path)
+
+
+def test_wrong_shape_named(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    rewrite_weights(path, lambda w: w.update({Q_PROJ: mx.zeros((64, 64))}))
+    with pytest.raises(ValueError, match=rf"{Q_PROJ} has shape \[64, 64\], expected \[128, 64\]"):
+        load_checkpoint(path)
+
+
+def test_extra_tensors_ignored(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    rewrite_weights(path, lambda w: w.update({"model.rotary_emb.inv_freq": mx.ones((16,))}))
+    assert load_checkpoint(path).config.num_hidden_layers == 2
+
+
+def test_pickle_refused(tmp_path):
+    make_tiny_checkpoint(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not really a pickle")
+    with pytest.raises(ValueError, match=r"pytorch_model\.bin.*only safetensors"):
+        load_checkpoint(tmp_path)
+
+
+def test_missing_weights_and_index_shards(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "a")
+    (path / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_checkpoint(path)
+    sharded = make_tiny_checkpoint(tmp_path / "b", shards=2)
+    (sharded / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+        load_checkpoint(sharded)
+
+
+def test_missing_config_and_dir(tmp_path):
+    path = make_tiny_checkpoint(tmp_path / "ckpt")
+    (path / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match=r"ckpt.config\.json"):
+        load_checkpoint(path)
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        load_checkpoint(tmp_path / "nowhere")
+
+
+def test_unknown_model_type(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    edit_config(path, model_type="llama")
+    with pytest.raises(ValueError, match="'llama'"):
+        load_checkpoint(path)
+
+
+def test_missing_config_key_names_file(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    del config["intermediate_size"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"config\.json.*intermediate_size"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", mx.bfloat16])
+def test_dtype_conversion(tiny_dir, tiny, dtype):
+    ckpt = load_checkpoint(tiny_dir, dtype=dtype)
+    expected = mx.float16 if dtype == "float16" else mx.bfloat16
+    assert all(w.dtype == expected for w in ckpt.weights.values())
+    assert ckpt.weights[LM_HEAD] is ckpt.weights[EMBED]
+    assert mx.allclose(ckpt.weights[Q_PROJ].astype(mx.float32), tiny.weights[Q_PROJ], atol=1e-2)
+    with pytest.raises(ValueError, match="float8"):
+        load_checkpoint(tiny_dir, dtype="float8")
+
+
+def test_no_tokenizer_files(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    (path / "tokenizer.json").unlink()
+    assert load_checkpoint(path).tokenizer is None
+
+
+# --- tokenizer ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", MIXED_TEXTS)
+def test_tokenizer_round_trip(tokenizer, text):
+    ids = tokenizer.encode(text)
+    assert all(isinstance(i, int) and 0 <= i < tokenizer.vocab_size for i in ids)
+    assert tokenizer.decode(ids) == text
+
+
+def test_tokenizer_merges_common_words(tokenizer):
+    text = "the language model reads the tokens"
+    assert len(tokenizer.encode(text)) < len(text.encode()) / 2
+
+
+def test_special_tokens_are_single_ids(tokenizer):
+    for token in ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]:
+        ids = tokenizer.encode(token)
+        assert ids == [tokenizer.token_to_id(token)], token
+    assert tokenizer.encode("hi") == tokenizer.encode("hi")  # no BOS/EOS added
+    assert tokenizer.token_to_id("<|endoftext|>") not in tokenizer.encode("hello")
+    ids = tokenizer.encode("<|im_start|>user\nhi<|im_end|>")
+    assert ids[0] == tokenizer.token_to_id("<|im_start|>")
+    assert ids[-1] == tokenizer.eos_token_id == tokenizer.token_to_id("<|im_end|>")
+    assert tokenizer.eos_token_ids == {
+        tokenizer.eos_token_id,
+        tokenizer.token_to_id("<|endoftext|>"),
+    }
+
+
+def test_generation_config_eos(tmp_path):
+    path = make_tiny_checkpoint(tmp_path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 9]}))
+    tok = load_tokenizer(path)
+    assert {7, 9, tok.eos_token_id} <= tok.eos_token_ids
+
+
+def test_chat_template(tokenizer):
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi 😀"},
+    ]
+    body = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi 😀<|im_end|>\n"
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == body
+    assert tokenizer.apply_chat_template(messages, enable_thinking=True) == (
+        body + "<|im_start|>assistant\n"
+    )
+    assert tokenizer.apply_chat_template(messages) == (
+        body + "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+
+
+def test_qwen_style_template_features(tokenizer):
+    template = (
+        "{%- set ns = namespace(last_user=-1) %}"
+        "{%- for m in messages %}{%- if m.role == 'user' %}{%- set ns.last_user = loop.index0 %}"
+        "{%- endif %}{%- endfor %}"
+        "{%- if messages[0].role == 'tool' %}{{- raise_exception('tool first') }}{%- endif %}"
+        "{{- 'last user at ' ~ ns.last_user }}"
+        "{%- if tools %}{{- tools | tojson }}{%- endif %}"
+    )
+    tok = support.Tokenizer(tokenizer.hf_tokenizer, tokenizer.config, chat_template=template)
+    msgs = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    assert tok.apply_chat_template(msgs * 2) == "last user at 2"
+    assert tok.apply_chat_template(msgs, tools=[{"name": "é"}]) == 'last user at 0[{"name": "é"}]'
+    with pytest.raises(Exception, match="tool first"):
+        tok.apply_chat_template([{"role": "tool", "content": "x"}])
+
+
+def test_template_is_sandboxed(tokenizer):
+    from jinja2.exceptions import SecurityError
+
+    evil = "{{ messages.__class__.__mro__[1].__subclasses__() }}"
+    tok = support.Tokenizer(tokenizer.hf_tokenizer, tokenizer.config, chat_template=evil)
+    with pytest.raises(SecurityError):
+        tok.apply_chat_template([])
+
+
+# --- streaming detokenizer ------------------------------------------------------------------
+
+
+def stream(tokenizer, ids) -> tuple[StreamingDetokenizer, list[str]]:
+    detok = tokenizer.detokenizer()
+    full = tokenizer.decode(ids)
+    segments = []
+    for token_id in ids:
+        segment = detok.add_token(token_id)
+        segments.append(segment)
+        assert "\ufffd" not in segment
+        assert full.startswith(detok.text)
+        assert detok.text == "".join(segments)
+    segments.append(detok.finalize())
+    assert detok.text == full == "".join(segments)
+    assert detok.tokens == list(ids)
+    return detok, segments
+
+
+@pytest.mark.parametrize("text", MIXED_TEXTS)
+def test_streaming_detokenizer(tokenizer, text):
+    stream(tokenizer, tokenizer.encode(text))
+
+
+def test_streaming_holds_back_split_characters(tokenizer):
+    ids = tokenizer.encode("cat 😀 and 中 <|im_end|>")
+    # the emoji is made of several byte tokens, each of which alone decodes to U+FFFD
+    assert any("\ufffd" in tokenizer.decode([i]) for i in ids)
+    _, segments = stream(tokenizer, ids)
+    assert "" in segments[:-1]  # something was held back
+    assert any("😀" in s for s in segments)
+
+
+def test_streaming_finalize_flushes_incomplete(tokenizer):
+    ids = tokenizer.encode("ok 😀")[:-1]  # drop the last byte of the emoji
+    detok, segments = stream(tokenizer, ids)
+    assert segments[-1].endswith("\ufffd")
+    assert detok.text == tokenizer.decode(ids)
+
+
+# --- model names ----------------------------------------------------------------------------
+
+
+def test_shortcuts():
+    assert SHORTCUTS["qwen3-0.6b"] == "Qwen/Qwen3-0.6B"
+    assert set(SHORTCUTS) >= {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
+
+
+def test_resolve_unknown_name():
+    with pytest.raises(ValueError, match=r"qwen3-0\.6b.*qwen3-8b"):
+        resolve_model("no-such-model")
+
+
+def test_resolve_tiny(tmp_path, monkeypatch):
+    path = resolve_model("tiny", cache_dir=tmp_path)
+    assert path == tmp_path / "tiny-seed0" and (path / "config.json").is_file()
+    assert load_checkpoint(path).tokenizer is not None
+
+    def fail(*args, **kwargs):
+        raise AssertionError("should reuse the existing checkpoint")
+
+    monkeypatch.setattr("tiny_llm_support.models.make_tiny_checkpoint", fail)
+    assert resolve_model("tiny", cache_dir=tmp_path) == path
+
+
+def test_resolve_local_dir(tiny_dir):
+    assert resolve_model(str(tiny_dir)) == tiny_dir
+    assert resolve_model(tiny_dir) == tiny_dir
+
+
+@pytest.mark.parametrize(
+    "error", [OSError("Network is unreachable"), RuntimeError("hub exploded"), ConnectionError()]
+)
+def test_resolve_hub_failure(monkeypatch, error):
+    import huggingface_hub
+
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fail)
+    with pytest.raises(ModelNotAvailableError, match="--model tiny") as info:
+        resolve_model("qwen3-0.6b")
+    message = str(info.value)
+    assert "Qwen/Qwen3-0.6B" in message and "download" in message
+    assert isinstance(info.value, RuntimeError)
+
+
+def test_resolve_hub_arguments(monkeypatch, tiny_dir):
+    import huggingface_hub
+
+    calls = []
+
+    def fake(repo_id, **kwargs):
+        calls.append((repo_id, kwargs))
+        return str(tiny_dir)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
+    assert resolve_model("Qwen3-1.7B", offline=True) == tiny_dir
+    assert resolve_model("someone/some-model") == tiny_dir
+    (repo, kwargs), (repo2, kwargs2) = calls
+    assert (repo, repo2) == ("Qwen/Qwen3-1.7B", "someone/some-model")
+    assert kwargs["local_files_only"] is True and "local_files_only" not in kwargs2
+    assert "*.safetensors" in kwargs["allow_patterns"]
+    assert not any(p.endswith((".bin", ".pt", ".pth")) for p in kwargs["allow_patterns"])
+
+
+# --- device and BLAS ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def restore_device():
+    device = mx.default_device()
+    yield
+    mx.set_default_device(device)
+
+
+def test_choose_device(restore_device):
+    assert choose_device("cpu") == "cpu"
+    assert mx.default_device() == mx.cpu
+    expected = "gpu" if support.gpu_available() else "cpu"
+    assert choose_device(None) == expected
+    assert choose_device("auto") == expected
+    with pytest.raises(ValueError, match="tpu"):
+        choose_device("tpu")
+    if not support.gpu_available():
+        with pytest.raises(ValueError, match="gpu"):
+            choose_device("gpu")
+
+
+def test_blas_info():
+    info = blas_info()
+    assert info["platform"]
+    assert info["blas"] in {"openblas (LD_PRELOAD)", "accelerate", "reference (bundled netlib)"}
+    path = openblas_path()
+    assert path is None or (Path(path).exists() and "openblas" in path)
+    assert "LD_PRELOAD" in OPENBLAS_HINT and "float32" in OPENBLAS_HINT
+    assert "libopenblas0-pthread" in OPENBLAS_HINT
