@@ -6,14 +6,11 @@ prompt may arrive in chunks (chunked prefill), so a call with L > 1 may find tok
 
 import mlx.core as mx
 
-from tiny_llm_support import Checkpoint
-
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
-from .layer_norm import RMSNorm
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
-from .qwen3_week1 import Qwen3MultiHeadAttention, build_block, take_weight
+from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention
 
 
 def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
@@ -32,28 +29,10 @@ class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
         raise NotImplementedError("Week 2 Day 1, Task 2: attention with a KV cache and an offset")
 
 
-class Qwen3Model:
+class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab]."""
 
-    def __init__(self, ckpt: Checkpoint, max_seq_len: int | None = None):
-        c = ckpt.config
-        self.config = c
-        self.num_hidden_layers = c.num_hidden_layers
-        self.max_seq_len = max_seq_len or c.max_position_embeddings
-        self.embed_tokens = take_weight(
-            ckpt.weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
-        )
-        self.dtype = self.embed_tokens.dtype
-        self.layers = [
-            build_block(ckpt, i, Qwen3AttentionWithCache, self.max_seq_len)
-            for i in range(c.num_hidden_layers)
-        ]
-        self.norm = RMSNorm(
-            c.hidden_size,
-            take_weight(ckpt.weights, "model.norm.weight", (c.hidden_size,)),
-            c.rms_norm_eps,
-        )
-        self.lm_head = take_weight(ckpt.weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
+    attention_cls = Qwen3AttentionWithCache
 
     def create_kv_cache(self) -> list[TinyKvFullCache]:
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]

@@ -2,7 +2,7 @@
 
 import mlx.core as mx
 
-from tiny_llm_support import Checkpoint
+from tiny_llm_support import Checkpoint, Qwen3Config, expected_shapes
 
 from .attention import scaled_dot_product_attention_grouped
 from .basics import linear
@@ -65,43 +65,28 @@ class Qwen3TransformerBlock:
         raise NotImplementedError("Week 1 Day 5, Task 2: implement the transformer block")
 
 
-def build_layer_parts(ckpt: Checkpoint, i: int) -> dict:
-    """Checked weights of layer i, keyed by their role."""
-    c = ckpt.config
-    e, d, inter = c.hidden_size, c.head_dim, c.intermediate_size
-    h, h_kv = c.num_attention_heads, c.num_key_value_heads
+def checked_weights(ckpt: Checkpoint) -> dict[str, mx.array]:
+    """Every tensor the config calls for, each checked for its shape."""
+    shapes = expected_shapes(ckpt.config)
+    return {name: take_weight(ckpt.weights, name, shape) for name, shape in shapes.items()}
+
+
+def build_block(
+    c: Qwen3Config, w: dict[str, mx.array], i: int, attention_cls, max_seq_len: int
+) -> Qwen3TransformerBlock:
+    """Layer i from checked weights, with the given attention class (with or without a cache)."""
     p = f"model.layers.{i}."
-    shapes = {
-        "self_attn.q_proj.weight": (h * d, e),
-        "self_attn.k_proj.weight": (h_kv * d, e),
-        "self_attn.v_proj.weight": (h_kv * d, e),
-        "self_attn.o_proj.weight": (e, h * d),
-        "self_attn.q_norm.weight": (d,),
-        "self_attn.k_norm.weight": (d,),
-        "mlp.gate_proj.weight": (inter, e),
-        "mlp.up_proj.weight": (inter, e),
-        "mlp.down_proj.weight": (e, inter),
-        "input_layernorm.weight": (e,),
-        "post_attention_layernorm.weight": (e,),
-    }
-    return {k: take_weight(ckpt.weights, p + k, s) for k, s in shapes.items()}
-
-
-def build_block(ckpt: Checkpoint, i: int, attention_cls, max_seq_len: int) -> Qwen3TransformerBlock:
-    """Layer i of the checkpoint, with the given attention class (with or without a cache)."""
-    c = ckpt.config
-    w = build_layer_parts(ckpt, i)
     attention = attention_cls(
         c.hidden_size,
         c.num_attention_heads,
         c.num_key_value_heads,
         c.head_dim,
-        w["self_attn.q_proj.weight"],
-        w["self_attn.k_proj.weight"],
-        w["self_attn.v_proj.weight"],
-        w["self_attn.o_proj.weight"],
-        w["self_attn.q_norm.weight"],
-        w["self_attn.k_norm.weight"],
+        w[p + "self_attn.q_proj.weight"],
+        w[p + "self_attn.k_proj.weight"],
+        w[p + "self_attn.v_proj.weight"],
+        w[p + "self_attn.o_proj.weight"],
+        w[p + "self_attn.q_norm.weight"],
+        w[p + "self_attn.k_norm.weight"],
         max_seq_len=max_seq_len,
         theta=c.rope_theta,
         rms_norm_eps=c.rms_norm_eps,
@@ -109,38 +94,37 @@ def build_block(ckpt: Checkpoint, i: int, attention_cls, max_seq_len: int) -> Qw
     mlp = Qwen3MLP(
         c.hidden_size,
         c.intermediate_size,
-        w["mlp.gate_proj.weight"],
-        w["mlp.up_proj.weight"],
-        w["mlp.down_proj.weight"],
+        w[p + "mlp.gate_proj.weight"],
+        w[p + "mlp.up_proj.weight"],
+        w[p + "mlp.down_proj.weight"],
     )
     return Qwen3TransformerBlock(
         attention,
         mlp,
-        RMSNorm(c.hidden_size, w["input_layernorm.weight"], c.rms_norm_eps),
-        RMSNorm(c.hidden_size, w["post_attention_layernorm.weight"], c.rms_norm_eps),
+        RMSNorm(c.hidden_size, w[p + "input_layernorm.weight"], c.rms_norm_eps),
+        RMSNorm(c.hidden_size, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps),
     )
 
 
 class Qwen3ModelWeek1:
     """tokens [B, L] -> logits [B, L, vocab], recomputing the whole sequence each call."""
 
-    def __init__(self, ckpt: Checkpoint):
+    attention_cls = Qwen3MultiHeadAttention
+
+    def __init__(self, ckpt: Checkpoint, max_seq_len: int | None = None):
         c = ckpt.config
+        w = checked_weights(ckpt)
         self.config = c
         self.num_hidden_layers = c.num_hidden_layers
-        self.embed_tokens = take_weight(
-            ckpt.weights, "model.embed_tokens.weight", (c.vocab_size, c.hidden_size)
-        )
+        self.max_seq_len = max_seq_len or c.max_position_embeddings
+        self.embed_tokens = w["model.embed_tokens.weight"]  # [V, E]
+        self.dtype = self.embed_tokens.dtype
         self.layers = [
-            build_block(ckpt, i, Qwen3MultiHeadAttention, c.max_position_embeddings)
+            build_block(c, w, i, self.attention_cls, self.max_seq_len)
             for i in range(c.num_hidden_layers)
         ]
-        self.norm = RMSNorm(
-            c.hidden_size,
-            take_weight(ckpt.weights, "model.norm.weight", (c.hidden_size,)),
-            c.rms_norm_eps,
-        )
-        self.lm_head = take_weight(ckpt.weights, "lm_head.weight", (c.vocab_size, c.hidden_size))
+        self.norm = RMSNorm(c.hidden_size, w["model.norm.weight"], c.rms_norm_eps)
+        self.lm_head = w["lm_head.weight"]  # [V, E], the embedding itself when tied
 
     def __call__(self, tokens: mx.array) -> mx.array:
         raise NotImplementedError("Week 1 Day 5, Task 3: implement the model forward pass")

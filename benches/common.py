@@ -1,0 +1,427 @@
+"""Helpers shared by the benchmarks in benches/.
+
+- Models: `resolve_bench_model` turns "tiny", a shortcut ("qwen3-0.6b"), a checkpoint directory
+  or a config.json path into a `BenchModel`; shortcuts with an embedded config need no
+  download, since their weights can be random (same shapes, so the same FLOPs and bytes moved).
+  `BenchModel.materialize(dir)` writes a random-weight checkpoint once, so that every fresh
+  benchmark process only loads it; `BenchModel.load(dtype)` builds the `Checkpoint`.
+- The machine: `host_info()`, `mlx_info()`, `blas_info()`, `openblas_preload_env()`.
+- Numbers: `percentile`, `summarize`, `median`.
+- Output: `write_json` (creates the folder, stable formatting).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+
+from tiny_llm_support import (
+    Checkpoint,
+    Qwen3Config,
+    SHORTCUTS,
+    Tokenizer,
+    blas_info,
+    expected_shapes,
+    load_checkpoint,
+    load_tokenizer,
+    openblas_path,
+    resolve_model,
+)
+
+__all__ = [
+    "EMBEDDED_CONFIGS",
+    "BenchModel",
+    "resolve_bench_model",
+    "random_weights",
+    "host_info",
+    "mlx_info",
+    "blas_info",
+    "openblas_preload_env",
+    "percentile",
+    "summarize",
+    "median",
+    "write_json",
+    "canonical_json",
+]
+
+# The published config.json of the Qwen3 checkpoints the benchmarks use most, so that
+# `--model qwen3-0.6b` works offline with random weights. Token ids from 151643
+# (<|endoftext|>) up are control tokens in the Qwen3 vocabulary.
+_QWEN3_COMMON: dict[str, Any] = {
+    "architectures": ["Qwen3ForCausalLM"],
+    "model_type": "qwen3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "rope_scaling": None,
+    "rope_theta": 1000000,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 28,
+    "sliding_window": None,
+    "use_sliding_window": False,
+    "use_cache": True,
+    "vocab_size": 151936,
+    "bos_token_id": 151643,
+    "eos_token_id": 151645,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": True,
+}
+EMBEDDED_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3-0.6b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+    "qwen3-1.7b": {
+        **_QWEN3_COMMON,
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+    },
+}
+_QWEN3_FIRST_CONTROL_ID = 151643
+
+
+# --- models ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class BenchModel:
+    """A model a benchmark can build in any process: where it comes from and its shape.
+
+    `config` is the config.json dict actually used (num_hidden_layers already overridden).
+    `path` is a checkpoint directory (real weights, or random ones after `materialize`);
+    None for random weights not written yet. `token_ids` is the half-open range
+    [low, high) of ordinary token ids and `excluded_ids` the special ones inside it, from
+    which synthetic prompts may be drawn.
+    """
+
+    name: str
+    source: str  # "tiny", "embedded-config", "config-file", "checkpoint", "hub"
+    config: dict[str, Any]
+    random_weights: bool
+    num_layers: int
+    original_num_layers: int
+    weight_seed: int
+    path: str | None
+    token_ids: tuple[int, int]
+    excluded_ids: list[int]
+
+    @property
+    def qwen3_config(self) -> Qwen3Config:
+        return Qwen3Config.from_dict(self.config, source=f"config of {self.name}")
+
+    def parameter_count(self) -> int:
+        """Parameters as the model computes with them (a tied head counted once)."""
+        cfg = self.qwen3_config
+        shapes = expected_shapes(cfg)
+        if cfg.tie_word_embeddings:
+            shapes.pop("lm_head.weight")
+        return sum(math.prod(s) for s in shapes.values())
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "source": self.source,
+            "path": self.path if not self.random_weights else None,
+            "random_weights": self.random_weights,
+            "weight_seed": self.weight_seed if self.random_weights else None,
+            "num_layers": self.num_layers,
+            "original_num_layers": self.original_num_layers,
+            "parameters": self.parameter_count(),
+            "prompt_token_ids": {"low": self.token_ids[0], "high": self.token_ids[1],
+                                 "excluded": self.excluded_ids},
+            "config": self.config,
+        }
+
+    def materialize(self, directory: str | Path, dtype: str) -> None:
+        """For random weights: write config.json and model.safetensors into `directory`
+        (once, in the parent), so that each fresh process only has to load them."""
+        if not self.random_weights:
+            return
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        weights = random_weights(self.qwen3_config, self.weight_seed, _mx_dtype(dtype))
+        mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "pt"})
+        (directory / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
+        del weights
+        mx.clear_cache()
+        self.path = str(directory)
+
+    def load(self, dtype: str) -> Checkpoint:
+        """The checkpoint with this model's weights, cast to `dtype`, cut to `num_layers`."""
+        if self.path is None:  # random weights, built in this process
+            cfg = self.qwen3_config
+            weights = random_weights(cfg, self.weight_seed, _mx_dtype(dtype))
+            if cfg.tie_word_embeddings:
+                weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+            return Checkpoint(path=Path(f"<random {self.name}>"), config=cfg, weights=weights)
+        ckpt = load_checkpoint(self.path, dtype=dtype)
+        if ckpt.config.num_hidden_layers != self.num_layers:
+            cut = dataclasses.replace(
+                ckpt.config, num_hidden_layers=self.num_layers, raw=dict(self.config)
+            )
+            ckpt = Checkpoint(ckpt.path, cut, ckpt.weights, ckpt.tokenizer)
+        return ckpt
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BenchModel:
+        d = dict(d)
+        d["token_ids"] = tuple(d["token_ids"])
+        return cls(**d)
+
+
+def resolve_bench_model(
+    model: str,
+    random: bool | None = None,
+    num_layers: int | None = None,
+    weight_seed: int = 0,
+    offline: bool | None = None,
+) -> BenchModel:
+    """Read only what describes the model (config, tokenizer); no weights are loaded.
+
+    model: "tiny", a shortcut (qwen3-0.6b, ...), a checkpoint directory, a config.json path
+    or a Hugging Face repo id. random: None picks random weights for shortcuts with an
+    embedded config and for config.json paths, the checkpoint's own weights otherwise.
+    Raises ValueError for a combination that cannot work.
+    """
+    key = model.lower()
+    path = Path(model).expanduser()
+    tokenizer: Tokenizer | None = None
+    checkpoint_dir: Path | None = None
+    if key in EMBEDDED_CONFIGS and not path.exists():
+        random = True if random is None else random
+        if random:
+            source, config = "embedded-config", dict(EMBEDDED_CONFIGS[key])
+        else:
+            source, checkpoint_dir = "hub", resolve_model(key, offline=offline)
+    elif path.is_file():
+        if random is False:
+            raise ValueError(f"{model} is a config file: it only works with random weights")
+        random, source, config = True, "config-file", _read_config(path)
+    elif path.is_dir() or key == "tiny":
+        checkpoint_dir = resolve_model(model)
+        source = "tiny" if key == "tiny" else "checkpoint"
+        random = bool(random)
+    elif key in SHORTCUTS or model.count("/") == 1:
+        if random:
+            raise ValueError(
+                f"there is no embedded config for {model} (only for "
+                f"{', '.join(EMBEDDED_CONFIGS)}); pass the path of its config.json instead"
+            )
+        random, source, checkpoint_dir = False, "hub", resolve_model(model, offline=offline)
+    else:
+        raise ValueError(
+            f"unknown model {model!r}: use tiny, {', '.join(EMBEDDED_CONFIGS)}, another "
+            "shortcut, a checkpoint directory, or the path of a config.json"
+        )
+    if checkpoint_dir is not None:
+        config = _read_config(checkpoint_dir / "config.json")
+        if (checkpoint_dir / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(checkpoint_dir)
+
+    original = int(config["num_hidden_layers"])
+    layers = original if num_layers is None else num_layers
+    if layers < 1:
+        raise ValueError(f"num_layers must be >= 1, got {layers}")
+    if not random and layers > original:
+        raise ValueError(
+            f"{model} has {original} layers; --num-layers {layers} needs random weights"
+        )
+    config = {**config, "num_hidden_layers": layers}
+    Qwen3Config.from_dict(config, source=model)  # a bad config fails here, in the parent
+    low, high, excluded = _ordinary_token_ids(config, tokenizer)
+    return BenchModel(
+        name=model,
+        source=source,
+        config=config,
+        random_weights=bool(random),
+        num_layers=layers,
+        original_num_layers=original,
+        weight_seed=weight_seed,
+        path=None if random else str(checkpoint_dir),
+        token_ids=(low, high),
+        excluded_ids=excluded,
+    )
+
+
+def random_weights(config: Qwen3Config, seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
+    """Uniform random weights with every tensor a Qwen3 checkpoint of `config` has.
+
+    Projections have std 1/sqrt(fan_in), embeddings std 1, norm weights are 1, so activations
+    stay at unit scale (no inf/nan, no denormals) through any number of layers. A tied
+    lm_head is left out, as in a published checkpoint. Uniform rather than normal noise:
+    MLX draws it about twice as fast, and only the shapes matter for timing.
+    """
+    key = mx.random.key(seed)
+    weights = {}
+    for name, shape in expected_shapes(config).items():
+        if name == "lm_head.weight" and config.tie_word_embeddings:
+            continue
+        if name.endswith("norm.weight"):
+            weights[name] = mx.ones(shape, dtype=dtype)
+            continue
+        key, sub = mx.random.split(key)
+        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[-1])
+        bound = std * math.sqrt(3.0)  # U(-b, b) has std b / sqrt(3)
+        weights[name] = mx.random.uniform(-bound, bound, shape, dtype=dtype, key=sub)
+        mx.eval(weights[name])  # one tensor at a time keeps the peak memory low
+    return weights
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read the model config {path}: {e}") from e
+
+
+def _ordinary_token_ids(
+    config: dict[str, Any], tokenizer: Tokenizer | None
+) -> tuple[int, int, list[int]]:
+    """[low, high) and the special ids inside it: where synthetic prompt ids may come from."""
+    vocab = int(config["vocab_size"])
+    special: set[int] = set()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        value = config.get(key)
+        special.update(value if isinstance(value, list) else [value] if value is not None else [])
+    high = vocab
+    if tokenizer is not None:
+        high = min(vocab, tokenizer.vocab_size)  # embedding rows past the tokenizer are padding
+        special.update(tokenizer.hf_tokenizer.get_added_tokens_decoder())
+        special.update(tokenizer.eos_token_ids)
+    elif config.get("model_type") == "qwen3" and vocab > _QWEN3_FIRST_CONTROL_ID:
+        high = _QWEN3_FIRST_CONTROL_ID
+    excluded = sorted(i for i in special if 0 <= i < high)
+    if high - len(excluded) < 1:
+        raise ValueError("the vocabulary has no ordinary token ids to draw prompts from")
+    return 0, high, excluded
+
+
+def _mx_dtype(name: str) -> mx.Dtype:
+    dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+    if name not in dtypes:
+        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(dtypes)}")
+    return dtypes[name]
+
+
+# --- the machine -------------------------------------------------------------------------
+
+
+def host_info() -> dict[str, Any]:
+    uname = platform.uname()
+    return {
+        "platform": platform.platform(),
+        "system": uname.system,
+        "machine": uname.machine,
+        "processor": uname.processor or None,
+        "cpu_count": os.cpu_count(),
+        "python": platform.python_version(),
+        "node": uname.node,
+    }
+
+
+def mlx_info() -> dict[str, Any]:
+    """MLX's version and the default device of this process."""
+    info: dict[str, Any] = {"version": mx.__version__, "default_device": str(mx.default_device())}
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover - numpy is a dependency
+        pass
+    return info
+
+
+def openblas_preload_env(env: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
+    """The environment for a child process, with Debian's OpenBLAS preloaded on Linux.
+
+    Returns (env, preloaded path or None). Nothing changes where there is no OpenBLAS, where
+    this process already runs on it, or where LD_PRELOAD already names it.
+    """
+    env = dict(os.environ if env is None else env)
+    lib = openblas_path()
+    if lib is None or blas_info()["blas"].startswith("openblas"):
+        return env, None
+    current = env.get("LD_PRELOAD", "")
+    if lib in current.split(":") or lib in current.split():
+        return env, lib
+    env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
+    return env, lib
+
+
+# --- numbers -----------------------------------------------------------------------------
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100), linear between closest ranks (numpy's default)."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q must be in [0, 100], got {q}")
+    data = sorted(values)
+    if not data:
+        return None
+    pos = (len(data) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(data) - 1)
+    return data[lo] + (data[hi] - data[lo]) * (pos - lo)
+
+
+def median(values: Iterable[float | None]) -> float | None:
+    data = [v for v in values if v is not None]
+    return statistics.median(data) if data else None
+
+
+def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float | int | None]:
+    """count, mean, median, p95, max (each times `scale`, e.g. 1000 for seconds -> ms)."""
+    if not values:
+        return {"count": 0, "mean": None, "median": None, "p95": None, "max": None}
+    return {
+        "count": len(values),
+        "mean": statistics.fmean(values) * scale,
+        "median": percentile(values, 50) * scale,
+        "p95": percentile(values, 95) * scale,
+        "max": max(values) * scale,
+    }
+
+
+# --- output ------------------------------------------------------------------------------
+
+
+def canonical_json(data: Any) -> str:
+    """Sorted keys, no spaces: the same data always gives the same bytes (for checksums)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    return path
+
+
+if __name__ == "__main__":  # quick look at the machine: python benches/common.py
+    json.dump({"host": host_info(), "mlx": mlx_info(), "blas": blas_info()}, sys.stdout, indent=2)
+    print()
