@@ -18,7 +18,6 @@ import os
 import random
 import sys
 import time
-import unicodedata
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,13 @@ from typing import Any
 
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
 MIN_ANSWER_TOKENS = 8  # a prompt is only run when max_seq_len leaves at least this much room
-FRAME_INTERVAL_S = 1 / 20  # the live view redraws at most this often
+FRAME_INTERVAL_S = 1 / 10  # the live view redraws at most this often
+REEXEC_MARK = "TINY_LLM_OPENBLAS_PRELOADED"
+SUMMARY_TITLE = (
+    "Per request (all arrive at t = 0): prompt tokens, prefill chunks, wait before its first "
+    "chunk, time to first token, tokens generated, decode tokens/s, longest gap between two "
+    "of its tokens, why it stopped (eos, or length: max-seq-len)"
+)
 
 # A paragraph about a made-up town; several prompts ask about it, so those prompts share a
 # long common prefix and each of them needs several prefill chunks.
@@ -146,18 +151,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- text helpers ------------------------------------------------------------------------
 
 
+# Control characters (a random model writes any byte, escape sequences included) print as
+# U+FFFD; the live view also shows newlines and tabs on one line.
+_CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
+_ONE_LINE = {**_CONTROLS, ord("\n"): "\u21b5", ord("\t"): " "}
+
+
 def clean(text: str, keep_newlines: bool = True) -> str:
-    """Make generated text safe to print: control characters (a random model writes any
-    byte, escape sequences included) become U+FFFD."""
-    out = []
-    for ch in text:
-        if ch in "\n\t":
-            out.append(ch if keep_newlines else ("\u21b5" if ch == "\n" else " "))
-        elif unicodedata.category(ch) == "Cc":
-            out.append("\ufffd")
-        else:
-            out.append(ch)
-    return "".join(out)
+    """Generated text made safe to print."""
+    return text.translate(_CONTROLS if keep_newlines else _ONE_LINE)
 
 
 def answer_text(text: str, tokenizer: Any) -> str:
@@ -173,8 +175,10 @@ def answer_text(text: str, tokenizer: Any) -> str:
 
 
 def tail(text: str, width: int) -> str:
-    text = clean(text, keep_newlines=False)
-    return text if len(text) <= width else "\u2026" + text[-(width - 1) :]
+    """The last `width` characters on one line."""
+    if len(text) > width:
+        text = "\u2026" + text[-(width - 1) :]
+    return clean(text, keep_newlines=False)
 
 
 # --- measurements ------------------------------------------------------------------------
@@ -272,7 +276,7 @@ class Recorder:
             stats.finished = t
             stats.generated = len(request.generated)
             last = request.generated[-1] if request.generated else None
-            stats.stop = "eos" if last in request.eos_token_ids else "max-seq-len"
+            stats.stop = "eos" if last in request.eos_token_ids else "length"  # hit max_seq_len
             return stats
         raise ValueError(f"unknown BatchStep kind {step.kind!r}")
 
@@ -286,8 +290,10 @@ class Recorder:
         chunks = sum(1 for t in self.prefill_ends if start < t < end)
         return gap, who, chunks
 
-    def decoded_tokens(self) -> int:
-        return sum(max(0, s.generated - 1) for s in self.requests.values())
+    def decoded_tokens(self, slots: list[Any] = ()) -> int:
+        """Tokens made by decode steps: finished requests, plus those still in `slots`."""
+        done = sum(max(0, s.generated - 1) for s in self.requests.values())
+        return done + sum(len(r.generated) - 1 for r in slots if r is not None)
 
 
 # --- views -------------------------------------------------------------------------------
@@ -321,7 +327,7 @@ class PlainView:
                 f"({stats.stop})",
                 flush=True,
             )
-        elif rec.decode_steps % self.every == 0:
+        elif rec.decode_steps % self.every == 0 and any(step.slots):
             active = [(r.prompt_idx, r.offset) for r in step.slots if r is not None]
             where = " ".join(f"{i}@{pos}" for i, pos in active)
             print(
@@ -377,24 +383,27 @@ class LiveView:
         from rich.table import Table
         from rich.text import Text
 
-        rate = rec.decoded_tokens_live(self.slots) / rec.decode_time if rec.decode_time else 0.0
+        rate = rec.decoded_tokens(self.slots) / rec.decode_time if rec.decode_time else 0.0
         header = Text.assemble(
             (self.title, "bold"),
             f"\n{t:.1f} s   decode steps {rec.decode_steps}   "
-            f"finished {self.done}/{self.total}   decode {rate:.1f} tokens/s",
+            f"waiting {self.total - len(rec.requests)}   finished {self.done}/{self.total}   "
+            f"decode {rate:.1f} tokens/s",
         )
         prefill = Table.grid(padding=(0, 1))
         r = self.prefill
         if r is None:
             prefill.add_row(Text("prefill: waiting for the first request", style="dim"))
         else:
-            chunks = self.prefill_stats.chunks_done if self.prefill_stats else 0
-            state = "done, decoding" if r.is_prefill_done else "in progress"
+            stats = self.prefill_stats
+            chunks = stats.chunks_done if stats else 0
+            done = stats.prefilled if stats else 0  # r.offset keeps growing once it decodes
+            state = "done, now decoding" if r.is_prefill_done else "in progress"
             prefill.add_row(
                 Text(f"prefill request {r.prompt_idx}", style="bold cyan"),
                 Text(f"chunk {chunks} of {r.num_prefill_chunks}"),
-                ProgressBar(total=len(r.prompt_tokens), completed=r.offset, width=30),
-                Text(f"{r.offset}/{len(r.prompt_tokens)} tokens, {state}"),
+                ProgressBar(total=len(r.prompt_tokens), completed=done, width=30),
+                Text(f"{done}/{len(r.prompt_tokens)} tokens, {state}"),
             )
         slots = Table(box=None, pad_edge=False, expand=False, header_style="bold")
         slots.add_column("slot", justify="right")
@@ -416,15 +425,6 @@ class LiveView:
                 )
         recent = Text("\n".join(self.finished), style="dim") if self.finished else Text("")
         return Group(header, Text(""), prefill, Text(""), slots, Text(""), recent)
-
-
-def _decoded_tokens_live(self: Recorder, slots: list[Any]) -> int:
-    """Decoded so far: finished requests plus the ones still in a slot."""
-    done = self.decoded_tokens()
-    return done + sum(len(r.generated) - 1 for r in slots if r is not None)
-
-
-Recorder.decoded_tokens_live = _decoded_tokens_live
 
 
 # --- the run -----------------------------------------------------------------------------
@@ -473,16 +473,16 @@ def resolve(args: argparse.Namespace) -> Path:
     try:
         return resolve_model(args.model, cache_dir=args.cache_dir)
     except (ValueError, FileNotFoundError) as e:
+        first = str(e) if isinstance(e, FileNotFoundError) else f"unknown model {args.model!r}"
         names = "\n".join(f"  {name:<12} {repo}" for name, repo in SHORTCUTS.items())
         raise UsageError(
-            f"{e}\n\nModel names:\n  {'tiny':<12} synthetic checkpoint, made locally, works "
+            f"{first}\n\nModel names:\n  {'tiny':<12} synthetic checkpoint, made locally, works "
             f"offline (its text is meaningless)\n{names}\nor a Hugging Face repo id (org/name), "
             "or a directory with config.json, *.safetensors and tokenizer.json."
         ) from e
 
 
 def run(args: argparse.Namespace) -> int:
-    import mlx.core as mx
     from rich.console import Console
 
     from tiny_llm_support import (
@@ -493,7 +493,7 @@ def run(args: argparse.Namespace) -> int:
         load_checkpoint,
     )
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, markup=False)  # model text may contain [brackets]
     live = console.is_terminal and not args.plain
     out: Callable[[str], None] = console.print if live else (lambda s: print(s, flush=True))
 
@@ -509,7 +509,11 @@ def run(args: argparse.Namespace) -> int:
         return 1
     package = importlib.import_module(SOLUTIONS[args.solution])
 
-    ckpt = load_checkpoint(path, dtype=dtype)
+    try:
+        ckpt = load_checkpoint(path, dtype=dtype)
+    except (ValueError, OSError) as e:  # a missing, mis-shaped or pickle-only checkpoint
+        print(f"error: cannot load {path}: {e}", file=sys.stderr)
+        return 1
     tokenizer = ckpt.tokenizer
     if tokenizer is None:
         print(f"error: {path} has no tokenizer.json", file=sys.stderr)
@@ -538,32 +542,33 @@ def run(args: argparse.Namespace) -> int:
     )
     for prompt, n in prepared.skipped:
         out(
-            f"skipped ({n} tokens, does not fit --max-seq-len {args.max_seq_len}): "
-            f"{prompt.label()}"
+            f"skipped ({n} tokens, does not fit --max-seq-len {args.max_seq_len}): {prompt.label()}"
         )
-    if device == "cpu" and sys.platform.startswith("linux"):
-        if blas_info()["blas"].startswith("reference"):
+    if device == "cpu":
+        blas = blas_info()["blas"]
+        out(f"blas: {blas}")
+        if sys.platform.startswith("linux") and blas.startswith("reference"):
             out(f"hint: {OPENBLAS_HINT}")
         if dtype != "float32":
             out(f"hint: {dtype} matmul is slow on the CPU; --dtype float32 is faster")
 
-    rec = Recorder()
     title = f"batch-main: {args.model} on {package.__name__}, {device} {dtype}"
     if live:
         view: Any = LiveView(console, title, len(prepared.prompts), args.batch_size)
     else:
         view = PlainView(args.log_every)
 
-    def on_step(step: Any) -> None:
-        t = rec.now()
-        stats = rec.record(step, t)
-        v0 = time.perf_counter()
-        view.show(step, t, rec, stats)
-        rec.view_time += time.perf_counter() - v0
-
     try:
         model = package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len)
         rec = Recorder()  # the clock starts when the requests arrive, after the model is built
+
+        def on_step(step: Any) -> None:
+            t = rec.now()
+            stats = rec.record(step, t)
+            v0 = time.perf_counter()
+            view.show(step, t, rec, stats)
+            rec.view_time += time.perf_counter() - v0
+
         with view:
             results = package.batch_generate(
                 model,
@@ -574,7 +579,6 @@ def run(args: argparse.Namespace) -> int:
                 prefill_step=args.prefill_step,
                 on_step=on_step,
             )
-            mx.eval(mx.array(0))
     except NotImplementedError as e:
         print(
             f"error: {package.__name__} is not finished yet: {e}\n"
@@ -625,8 +629,7 @@ def print_summary(
     live: bool,
     console: Any,
 ) -> None:
-    headers = ["request", "prompt", "chunks", "waited s", "TTFT s", "tokens", "decode tok/s",
-               "longest gap ms", "stop"]  # fmt: skip
+    headers = ["req", "prompt", "chunks", "wait s", "TTFT s", "tokens", "tok/s", "gap ms", "stop"]
     rows = []
     for idx in range(len(prepared.prompts)):
         s = rec.requests.get(idx)
@@ -648,16 +651,17 @@ def print_summary(
         )
     out("")
     if live:
+        from rich import box
         from rich.table import Table
 
-        table = Table(title="per request (all arrive at t = 0)", title_justify="left")
+        table = Table(title=SUMMARY_TITLE, title_justify="left", box=box.SIMPLE_HEAD)
         for h in headers:
             table.add_column(h, justify="left" if h == "stop" else "right")
         for row in rows:
             table.add_row(*row)
         console.print(table)
     else:
-        out("summary, per request (all arrive at t = 0):")
+        out(SUMMARY_TITLE)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
         out("  ".join(h.rjust(w) for h, w in zip(headers, widths)))
         for row in rows:
@@ -692,6 +696,28 @@ def print_summary(
     )
 
 
+def preload_openblas() -> None:
+    """On Linux, run this script again with Debian's OpenBLAS preloaded when it is installed
+    and MLX is on its bundled reference BLAS (about 35x faster float32 matmul on the CPU).
+    TINY_LLM_NO_OPENBLAS=1 turns this off."""
+    if not sys.platform.startswith("linux") or os.environ.get("TINY_LLM_NO_OPENBLAS"):
+        return
+    if os.environ.get(REEXEC_MARK):  # already tried once: do not loop
+        return
+    from tiny_llm_support import blas_info, openblas_path
+
+    lib = openblas_path()
+    if lib is None or blas_info()["blas"].startswith("openblas"):
+        return
+    env = dict(os.environ)
+    current = env.get("LD_PRELOAD")
+    env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
+    env[REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -705,4 +731,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    preload_openblas()
     sys.exit(main())

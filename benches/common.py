@@ -26,9 +26,9 @@ from typing import Any
 import mlx.core as mx
 
 from tiny_llm_support import (
+    SHORTCUTS,
     Checkpoint,
     Qwen3Config,
-    SHORTCUTS,
     Tokenizer,
     blas_info,
     expected_shapes,
@@ -359,15 +359,15 @@ def mlx_info() -> dict[str, Any]:
 def openblas_preload_env(env: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
     """The environment for a child process, with Debian's OpenBLAS preloaded on Linux.
 
-    Returns (env, preloaded path or None). Nothing changes where there is no OpenBLAS, where
-    this process already runs on it, or where LD_PRELOAD already names it.
+    Returns (env, the LD_PRELOAD the children get, or None). Nothing changes where there is
+    no OpenBLAS, where this process already runs on it, or where LD_PRELOAD already names it.
     """
     env = dict(os.environ if env is None else env)
     lib = openblas_path()
-    if lib is None or blas_info()["blas"].startswith("openblas"):
-        return env, None
     current = env.get("LD_PRELOAD", "")
-    if lib in current.split(":") or lib in current.split():
+    if lib is None or blas_info()["blas"].startswith("openblas"):
+        return env, current or None  # children inherit whatever this process has
+    if lib in current.replace(" ", ":").split(":"):
         return env, lib
     env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
     return env, lib

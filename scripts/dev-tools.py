@@ -72,7 +72,8 @@ def _signature(obj) -> str:
     if isinstance(obj, property):
         return "property"
     try:
-        return str(inspect.signature(obj))
+        # type hints name the package a class lives in; the two packages differ only there
+        return str(inspect.signature(obj)).replace("tiny_llm_ref.", "tiny_llm.")
     except (TypeError, ValueError):
         return type(obj).__name__
 

@@ -8,6 +8,8 @@ its own KV cache serves as a second, independent oracle.
 import mlx.core as mx
 import numpy as np
 import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from oracles import mlx_lm_model
 
 ATOL = RTOL = 1e-4
 DECODE_STEPS = 32
@@ -171,15 +173,6 @@ def test_model_rejects_offset_that_does_not_match_cache(impl, tiny_gqa_ckpt):
 
 def test_matches_mlx_lm_with_its_own_cache(impl, tiny_ckpt):
     """mlx-lm's Qwen3, decoding with its own KV cache, step by step (an independent oracle)."""
-    try:
-        from oracles import mlx_lm_model
-    except ImportError:
-        mlx_lm_utils = pytest.importorskip("mlx_lm.utils")
-
-        def mlx_lm_model(ckpt):
-            return mlx_lm_utils.load_model(ckpt.path)[0]
-
-    make_prompt_cache = pytest.importorskip("mlx_lm.models.cache").make_prompt_cache
     model = impl.Qwen3Model(tiny_ckpt)
     cache = model.create_kv_cache()
     tokens = prompt_tokens(tiny_ckpt)
@@ -244,4 +237,3 @@ def test_generate_with_kv_cache_stops_at_eos(impl, tiny_gqa_ckpt):
     assert stopped == full[: full.index(eos) + 1], "the EOS token is yielded, then generation stops"
     assert all(layer_cache.offset == 0 for layer_cache in spy.caches[-1])
     assert list(impl.simple_generate_with_kv_cache(spy, tokens, max_tokens=0)) == []
-

@@ -1,0 +1,316 @@
+"""Week 2 Day 2: the paged KV cache (page pool, page table, release and reuse).
+
+The oracle for the paged cache is the dense cache of Day 1: the same model decoding with
+either one must give the same logits at every step.
+"""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+ATOL = RTOL = 1e-4
+H_KV, D = 2, 4
+
+
+def assert_close(actual: mx.array, expected: mx.array, what: str = "") -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    np.testing.assert_allclose(
+        np.array(actual), np.array(expected), atol=ATOL, rtol=RTOL, err_msg=what
+    )
+
+
+def random_kv(length: int, seed: int, heads: int = H_KV, dim: int = D):
+    """key/value [1, heads, length, dim]"""
+    rng = np.random.RandomState(seed)
+    shape = (1, heads, length, dim)
+    k = mx.array(rng.standard_normal(shape).astype(np.float32))
+    v = mx.array(rng.standard_normal(shape).astype(np.float32))
+    return k, v
+
+
+def pool_state(pool) -> tuple:
+    """Everything a refused request must leave as it was."""
+    return (
+        pool.num_pages,
+        pool.num_in_use,
+        list(pool.free_pages),
+        pool.num_allocations,
+        pool.peak_in_use,
+    )
+
+
+def cache_state(cache) -> tuple:
+    return cache.offset, list(cache.page_table)
+
+
+# --- Task 1: the pool's pages --------------------------------------------------------------
+
+
+def test_pool_allocates_frees_and_reuses(impl):
+    with pytest.raises(ValueError):
+        impl.TinyKvPagedPool(H_KV, D, page_size=0)
+    with pytest.raises(ValueError):
+        impl.TinyKvPagedPool(H_KV, D, max_pages=0)
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=4)
+    pages = [pool.allocate() for _ in range(3)]
+    assert sorted(pages) == [0, 1, 2], "a new page gets the next physical index"
+    assert (pool.num_pages, pool.num_in_use, pool.free_pages) == (3, 3, [])
+    assert pool.key_pages[0].shape == pool.value_pages[0].shape == (H_KV, 4, D)
+    assert pool.key_pages[0].dtype == mx.float32
+    pool.free(pages[1])
+    assert (pool.num_pages, pool.num_in_use, pool.free_pages) == (3, 2, [pages[1]])
+    assert pool.allocate() == pages[1], "a freed page is reused before a new one is made"
+    assert (pool.num_pages, pool.num_in_use, pool.free_pages) == (3, 3, [])
+    assert pool.allocate() == 3
+    assert pool.num_pages == 4
+
+
+def test_pool_free_rejects_free_and_foreign_pages(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=2)
+    page = pool.allocate()
+    pool.allocate()
+    pool.free(page)
+    with pytest.raises(ValueError):
+        pool.free(page)  # already free
+    for foreign in (2, 100, -1):
+        with pytest.raises(ValueError):
+            pool.free(foreign)  # never handed out by this pool
+    assert pool.free_pages == [page], "a rejected free changes nothing"
+    assert pool.num_in_use == 1
+
+
+def test_pool_capacity(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=2, max_pages=3)
+    assert pool.can_allocate(0) and pool.can_allocate(3) and not pool.can_allocate(4)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.can_allocate(1) and not pool.can_allocate(2)
+    pool.free(a)
+    assert pool.can_allocate(2), "one free page plus one page not made yet"
+    assert not pool.can_allocate(3)
+    pool.allocate()
+    pool.allocate()
+    assert pool.can_allocate(0) and not pool.can_allocate(1)
+    before = pool_state(pool)
+    with pytest.raises(impl.PagePoolExhausted):
+        pool.allocate()
+    assert pool_state(pool) == before, "a refused allocation changes nothing"
+    pool.free(b)
+    assert pool.allocate() == b
+    unlimited = impl.TinyKvPagedPool(H_KV, D, page_size=2)
+    assert unlimited.can_allocate(10_000)
+
+
+def test_pool_counters(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=2)
+    assert (pool.num_allocations, pool.peak_in_use) == (0, 0)
+    pages = [pool.allocate() for _ in range(4)]
+    assert (pool.num_allocations, pool.peak_in_use) == (4, 4)
+    for page in pages[:3]:
+        pool.free(page)
+    assert (pool.num_allocations, pool.peak_in_use) == (4, 4), "freeing keeps the peak"
+    pool.allocate()
+    pool.allocate()
+    assert pool.num_allocations == 6, "a reused page counts as a new allocation"
+    assert pool.peak_in_use == 4 and pool.num_in_use == 3
+    pool.allocate()
+    pool.allocate()
+    assert pool.peak_in_use == 5 and pool.num_pages == 5
+
+
+# --- Task 2: write and gather --------------------------------------------------------------
+
+
+def test_write_and_gather_follow_the_page_table(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=3)
+    for _ in range(4):
+        pool.allocate()
+    k, v = random_kv(8, seed=0)
+    k, v = k[0], v[0]  # [H_kv, 8, D]
+    table = [2, 0, 3]  # logical page i lives in physical page table[i]
+    pool.write(2, 0, k[:, 0:2], v[:, 0:2])  # a page filled in two writes
+    pool.write(2, 2, k[:, 2:3], v[:, 2:3])
+    pool.write(0, 0, k[:, 3:6], v[:, 3:6])
+    pool.write(3, 0, k[:, 6:8], v[:, 6:8])  # the last page is not full
+    assert_close(pool.key_pages[0], k[:, 3:6], "physical page 0 holds logical page 1")
+    assert_close(pool.value_pages[2], v[:, 0:3], "physical page 2 holds logical page 0")
+    for length in (8, 7, 3, 1):
+        keys, values = pool.gather(table, length)
+        assert_close(keys, k[:, :length], f"gathered keys, length {length}")
+        assert_close(values, v[:, :length], f"gathered values, length {length}")
+    keys, values = pool.gather([0, 2], 5)  # another order, another request's view
+    assert_close(keys, mx.concatenate([k[:, 3:6], k[:, 0:2]], axis=1))
+    assert_close(values, mx.concatenate([v[:, 3:6], v[:, 0:2]], axis=1))
+
+
+# --- Task 3: append through the page table -------------------------------------------------
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_appends_across_page_boundaries(impl, page_size):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=page_size)
+    cache = impl.TinyKvPagedCache(pool)
+    assert cache.offset == 0 and cache.page_table == []
+    all_k, all_v = [], []
+    for i, length in enumerate([5, 1, 1, 7, 2, 16, 1, 3]):
+        k, v = random_kv(length, seed=i)
+        all_k.append(k)
+        all_v.append(v)
+        keys, values, mask = cache.update_and_fetch(k, v)
+        s = sum(x.shape[2] for x in all_k)
+        assert cache.offset == s, "the offset advances by exactly the rows appended"
+        assert len(cache.page_table) == math.ceil(s / page_size), "no page more than needed"
+        assert len(set(cache.page_table)) == len(cache.page_table)
+        assert pool.num_in_use == len(cache.page_table)
+        assert mask is None
+        assert keys.shape == values.shape == (1, H_KV, s, D)
+        assert_close(keys, mx.concatenate(all_k, axis=2), f"keys after {s} rows")
+        assert_close(values, mx.concatenate(all_v, axis=2), f"values after {s} rows")
+
+
+def test_two_requests_share_a_pool(impl):
+    """Interleaved appends leave each request's pages scattered through the pool."""
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=2)
+    a, b = impl.TinyKvPagedCache(pool), impl.TinyKvPagedCache(pool)
+    ka, kb = [], []
+    for i in range(7):
+        for cache, store, seed in ((a, ka, i), (b, kb, 100 + i)):
+            k, v = random_kv(1 + i % 2, seed)
+            store.append(k)
+            keys, _, _ = cache.update_and_fetch(k, v)
+            assert_close(keys, mx.concatenate(store, axis=2), "one request's rows only")
+    assert not set(a.page_table) & set(b.page_table), "no page is shared"
+    assert pool.num_in_use == len(a.page_table) + len(b.page_table)
+    assert sorted(a.page_table + b.page_table) == list(range(pool.num_pages))
+    assert max(a.page_table) - min(a.page_table) >= len(a.page_table), "the pages interleave"
+
+
+def test_rejects_bad_shapes_and_dtypes_before_allocating(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=4)
+    cache = impl.TinyKvPagedCache(pool)
+    k, v = random_kv(3, seed=0)
+    bad = [
+        (mx.zeros((2, H_KV, 3, D)), mx.zeros((2, H_KV, 3, D))),  # batch of 2
+        (mx.zeros((1, H_KV + 1, 3, D)), mx.zeros((1, H_KV + 1, 3, D))),  # head count
+        (mx.zeros((1, H_KV, 3, D + 1)), mx.zeros((1, H_KV, 3, D + 1))),  # head_dim
+        (k, v[:, :, :2]),  # key and value lengths differ
+        (k.astype(mx.float16), v.astype(mx.float16)),  # the pool stores float32
+        (k, v.astype(mx.bfloat16)),
+    ]
+    for key, value in bad:
+        with pytest.raises(ValueError):
+            cache.update_and_fetch(key, value)
+        assert pool.num_allocations == 0 and pool.num_pages == 0, "nothing was allocated"
+        assert cache_state(cache) == (0, [])
+    keys, _, _ = cache.update_and_fetch(k, v)
+    assert_close(keys, k)
+    state = pool_state(pool), cache_state(cache)
+    with pytest.raises(ValueError):
+        cache.update_and_fetch(mx.zeros((1, H_KV, 9, D + 1)), mx.zeros((1, H_KV, 9, D + 1)))
+    assert (pool_state(pool), cache_state(cache)) == state
+
+
+def test_exhausted_pool_changes_nothing(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=4, max_pages=4)
+    a, b = impl.TinyKvPagedCache(pool), impl.TinyKvPagedCache(pool)
+    a.update_and_fetch(*random_kv(6, seed=0))  # 2 pages, 2 slots left in the last one
+    b.update_and_fetch(*random_kv(1, seed=1))  # 1 page
+    # 9 more rows for b need 2 more pages; only 1 is left. Not even that one may be taken.
+    before = pool_state(pool), cache_state(a), cache_state(b)
+    with pytest.raises(impl.PagePoolExhausted):
+        b.update_and_fetch(*random_kv(9, seed=2))
+    assert (pool_state(pool), cache_state(a), cache_state(b)) == before
+    b.update_and_fetch(*random_kv(7, seed=3))  # 8 rows: b takes the last page
+    assert pool.num_in_use == 4 and not pool.can_allocate(1)
+    a.update_and_fetch(*random_kv(2, seed=4))  # fits in a's last page: no page needed
+    assert cache_state(a) == (8, before[1][1])
+    before = pool_state(pool), cache_state(a), cache_state(b)
+    with pytest.raises(impl.PagePoolExhausted):
+        a.update_and_fetch(*random_kv(1, seed=5))
+    assert (pool_state(pool), cache_state(a), cache_state(b)) == before
+    keys, values = pool.gather(a.page_table, a.offset)  # a's rows are intact
+    assert_close(keys[None], mx.concatenate([random_kv(6, 0)[0], random_kv(2, 4)[0]], axis=2))
+    assert_close(values[None], mx.concatenate([random_kv(6, 0)[1], random_kv(2, 4)[1]], axis=2))
+
+
+# --- Task 4: release and reuse -------------------------------------------------------------
+
+
+def test_release_returns_every_page_and_they_are_reused(impl):
+    pool = impl.TinyKvPagedPool(H_KV, D, page_size=3)
+    first = impl.TinyKvPagedCache(pool)
+    first.update_and_fetch(*random_kv(10, seed=0))
+    first.update_and_fetch(*random_kv(4, seed=1))
+    pages = set(first.page_table)
+    assert len(pages) == 5 and pool.num_in_use == 5
+    first.release()
+    assert cache_state(first) == (0, [])
+    assert pool.num_in_use == 0
+    assert sorted(pool.free_pages) == list(range(pool.num_pages)) == sorted(pages)
+    first.release()  # safe to call twice
+    assert pool.num_in_use == 0 and len(pool.free_pages) == 5
+    second = impl.TinyKvPagedCache(pool)
+    k, v = random_kv(14, seed=2)
+    keys, values, _ = second.update_and_fetch(k, v)
+    assert set(second.page_table) == pages, "the next request reuses the same physical pages"
+    assert pool.num_pages == 5, "no new page was made"
+    assert pool.num_allocations == 10 and pool.peak_in_use == 5
+    assert_close(keys, k, "nothing of the first request shows through")
+    assert_close(values, v)
+
+
+# --- the model over paged caches -----------------------------------------------------------
+
+
+def decode_paged(model, paged, tokens: list[int], steps: int) -> tuple[list[int], mx.array]:
+    """Prefill `tokens` into the paged caches, then decode greedily one token per step.
+    Returns every token fed and the logits at every position [1, len(tokens) + steps, V]."""
+    logits = [model(mx.array([tokens]), 0, paged)]  # [1, P, V]
+    tokens = list(tokens)
+    for _ in range(steps):
+        token = int(mx.argmax(logits[-1][0, -1]).item())
+        logits.append(model(mx.array([[token]]), len(tokens), paged))  # [1, 1, V]
+        tokens.append(token)
+    return tokens, mx.concatenate(logits, axis=1)
+
+
+def assert_matches_dense(model, tokens: list[int], paged_logits: mx.array, what: str) -> None:
+    """The dense cache of Day 1 on the whole sequence gives every position's logits at once;
+    they must equal what the paged cache gave at each decode step."""
+    dense_logits = model(mx.array([tokens]), 0, model.create_kv_cache())
+    for pos in range(dense_logits.shape[1]):
+        assert_close(paged_logits[:, pos], dense_logits[:, pos], f"{what}: position {pos}")
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_paged_logits_match_dense_over_64_steps(impl, tiny_ckpt, page_size):
+    model = impl.Qwen3Model(tiny_ckpt)
+    pools = model.create_kv_pools(page_size=page_size)
+    paged = model.create_paged_kv_cache(pools)
+    prompt = tiny_ckpt.tokenizer.encode("Pages of keys, pages of values.")
+    tokens, logits = decode_paged(model, paged, prompt, 64)
+    assert_matches_dense(model, tokens, logits, f"page size {page_size}")
+    total = len(tokens)
+    for pool, layer_cache in zip(pools, paged):
+        assert layer_cache.offset == total
+        assert len(layer_cache.page_table) == math.ceil(total / page_size)
+        assert pool.num_pages == pool.num_in_use == math.ceil(total / page_size)
+
+
+def test_paged_model_after_release_reuses_pages(impl, tiny_gqa_ckpt):
+    """A second request on the same pools, after the first released its pages, decodes
+    exactly as it would on fresh dense caches: stale page contents never leak in."""
+    model = impl.Qwen3Model(tiny_gqa_ckpt)
+    pools = model.create_kv_pools(page_size=4)
+    first = model.create_paged_kv_cache(pools)
+    tokens, logits = decode_paged(model, first, list(range(40, 60)), 8)
+    assert_matches_dense(model, tokens, logits, "first request")
+    used = [pool.num_pages for pool in pools]
+    for layer_cache in first:
+        layer_cache.release()
+    assert all(pool.num_in_use == 0 for pool in pools)
+    second = model.create_paged_kv_cache(pools)
+    tokens, logits = decode_paged(model, second, list(range(70, 79)), 6)
+    assert_matches_dense(model, tokens, logits, "second request")
+    assert [pool.num_pages for pool in pools] == used, "the second request made no new page"
