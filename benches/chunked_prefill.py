@@ -157,10 +157,12 @@ def warmup_trace(args: argparse.Namespace, model: BenchModel) -> Trace:
     n = min(args.num_seqs, args.batch_size)
     budget = (min(args.max_output_len, WARMUP_OUTPUT_BUDGET),) * 2
     seed = args.seed + 1_000_003
-    longest = make_trace(seed, 1, (args.max_input_len,) * 2, budget, model.token_ids,
-                         model.excluded_ids)
-    rest = make_trace(seed + 1, n - 1, (args.min_input_len,) * 2, budget, model.token_ids,
-                      model.excluded_ids)
+    longest = make_trace(
+        seed, 1, (args.max_input_len,) * 2, budget, model.token_ids, model.excluded_ids
+    )
+    rest = make_trace(
+        seed + 1, n - 1, (args.min_input_len,) * 2, budget, model.token_ids, model.excluded_ids
+    )
     return Trace(longest.prompts + rest.prompts, longest.output_budgets + rest.output_budgets)
 
 
@@ -400,46 +402,91 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="tiny",
-                   help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b, ...), a checkpoint "
-                   "directory, or the path of a config.json (random weights)")
-    m.add_argument("--random-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="random weights with the model's shapes (no download); default: on for "
-                   "qwen3-0.6b/qwen3-1.7b and config.json paths, off for checkpoints")
-    m.add_argument("--num-layers", type=positive_int, default=None,
-                   help="keep only this many layers (a smaller model; any number with random "
-                   "weights)")
-    m.add_argument("--dtype", choices=DTYPES, default=None,
-                   help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)")
+    m.add_argument(
+        "--model",
+        default="tiny",
+        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b, ...), a checkpoint "
+        "directory, or the path of a config.json (random weights)",
+    )
+    m.add_argument(
+        "--random-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random weights with the model's shapes (no download); default: on for "
+        "qwen3-0.6b/qwen3-1.7b and config.json paths, off for checkpoints",
+    )
+    m.add_argument(
+        "--num-layers",
+        type=positive_int,
+        default=None,
+        help="keep only this many layers (a smaller model; any number with random weights)",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        default=None,
+        help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
     m.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    m.add_argument("--solution", choices=sorted(SOLUTIONS), default="ref",
-                   help="ref: tiny_llm_ref; tiny_llm: your own solution")
-    m.add_argument("--offline", action="store_true",
-                   help="never download: real weights must be in the Hugging Face cache")
-    m.add_argument("--no-openblas", action="store_true",
-                   help="on Linux, do not preload Debian's OpenBLAS into the runs")
+    m.add_argument(
+        "--solution",
+        choices=sorted(SOLUTIONS),
+        default="ref",
+        help="ref: tiny_llm_ref; tiny_llm: your own solution",
+    )
+    m.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: real weights must be in the Hugging Face cache",
+    )
+    m.add_argument(
+        "--no-openblas",
+        action="store_true",
+        help="on Linux, do not preload Debian's OpenBLAS into the runs",
+    )
     t = p.add_argument_group("trace and schedule")
-    t.add_argument("--prefill-steps", type=positive_int, nargs="+", default=[32, 128, 512],
-                   metavar="N", help="prefill budgets to compare (prompt tokens per iteration)")
+    t.add_argument(
+        "--prefill-steps",
+        type=positive_int,
+        nargs="+",
+        default=[32, 128, 512],
+        metavar="N",
+        help="prefill budgets to compare (prompt tokens per iteration)",
+    )
     t.add_argument("--num-seqs", type=positive_int, default=8, help="requests in the trace")
     t.add_argument("--batch-size", type=positive_int, default=4, help="decode slots")
     t.add_argument("--min-input-len", type=positive_int, default=64)
     t.add_argument("--max-input-len", type=positive_int, default=512)
     t.add_argument("--min-output-len", type=positive_int, default=32)
     t.add_argument("--max-output-len", type=positive_int, default=32)
-    t.add_argument("--seed", type=non_negative_int, default=0,
-                   help="the trace (and random weights)")
+    t.add_argument(
+        "--seed", type=non_negative_int, default=0, help="the trace (and random weights)"
+    )
     r = p.add_argument_group("runs and output")
-    r.add_argument("--warmup", type=non_negative_int, default=1,
-                   help="warm-up runs of a short trace in each process before the measured one")
-    r.add_argument("--repeats", type=positive_int, default=2,
-                   help="processes per budget; odd repeats run the budgets in reverse order")
-    r.add_argument("--cooldown-seconds", type=non_negative_float, default=0.0,
-                   help="pause between runs")
-    r.add_argument("--json-output", type=Path, default=None,
-                   help="default: benches/results/chunked-prefill-<model>.json")
-    r.add_argument("--plot-output", type=Path, default=None,
-                   help="default: the JSON path with .png")
+    r.add_argument(
+        "--warmup",
+        type=non_negative_int,
+        default=1,
+        help="warm-up runs of a short trace in each process before the measured one",
+    )
+    r.add_argument(
+        "--repeats",
+        type=positive_int,
+        default=2,
+        help="processes per budget; odd repeats run the budgets in reverse order",
+    )
+    r.add_argument(
+        "--cooldown-seconds", type=non_negative_float, default=0.0, help="pause between runs"
+    )
+    r.add_argument(
+        "--json-output",
+        type=Path,
+        default=None,
+        help="default: benches/results/chunked-prefill-<model>.json",
+    )
+    r.add_argument(
+        "--plot-output", type=Path, default=None, help="default: the JSON path with .png"
+    )
     r.add_argument("--no-plot", action="store_true")
     p.add_argument("--child-spec", help=argparse.SUPPRESS)
     return p
@@ -468,8 +515,10 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
     longest = args.max_input_len + args.max_output_len
     limit = int(model.config["max_position_embeddings"])
     if longest > limit:
-        p.error(f"--max-input-len + --max-output-len = {longest} exceeds the model's "
-                f"max_position_embeddings ({limit})")
+        p.error(
+            f"--max-input-len + --max-output-len = {longest} exceeds the model's "
+            f"max_position_embeddings ({limit})"
+        )
     return model
 
 
@@ -532,15 +581,23 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
     sha = trace.sha256()
     env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
     plan = plan_runs(args.prefill_steps, args.repeats)
-    log(f"model {model.name} ({model.source}, {model.num_layers} layers, "
+    log(
+        f"model {model.name} ({model.source}, {model.num_layers} layers, "
         f"{model.parameter_count() / 1e6:.1f}M parameters, "
         f"{'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {_device_name(args.device)}, solution {SOLUTIONS[args.solution]}")
-    log(f"trace seed {args.seed}: {args.num_seqs} requests, {trace.prompt_tokens} prompt tokens, "
-        f"{trace.output_tokens} output tokens, sha256 {sha[:16]}...")
-    log(f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}")
-    log(f"{len(plan)} runs: budgets {args.prefill_steps} x {args.repeats} repeats, "
-        f"{args.warmup} warm-up run(s) each")
+        f"{args.dtype} on {_device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
+    )
+    log(
+        f"trace seed {args.seed}: {args.num_seqs} requests, {trace.prompt_tokens} prompt tokens, "
+        f"{trace.output_tokens} output tokens, sha256 {sha[:16]}..."
+    )
+    log(
+        f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}"
+    )
+    log(
+        f"{len(plan)} runs: budgets {args.prefill_steps} x {args.repeats} repeats, "
+        f"{args.warmup} warm-up run(s) each"
+    )
 
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-chunked-prefill-") as tmp:
@@ -560,8 +617,14 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
                 time.sleep(args.cooldown_seconds)
             spec_path = Path(tmp) / f"run-{k}.json"
             out_path = Path(tmp) / f"result-{k}.json"
-            spec = {**common, "prefill_step": budget, "repeat": repeat, "order": order,
-                    "sequence": k, "output": str(out_path)}
+            spec = {
+                **common,
+                "prefill_step": budget,
+                "repeat": repeat,
+                "order": order,
+                "sequence": k,
+                "output": str(out_path),
+            }
             spec_path.write_text(json.dumps(spec))
             t = time.perf_counter()
             proc = subprocess.run(
@@ -579,10 +642,12 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
             run["process_s"] = elapsed
             runs.append(run)
             mt = run["metrics"]
-            log(f"[{k + 1}/{len(plan)}] prefill step {budget:>5}  repeat {repeat + 1} ({order})  "
+            log(
+                f"[{k + 1}/{len(plan)}] prefill step {budget:>5}  repeat {repeat + 1} ({order})  "
                 f"{elapsed:6.1f} s in process, run {mt['wall_s']:6.2f} s  "
                 f"{mt['output_tokens_per_s']:7.2f} tok/s  "
-                f"p95 gap {_ms(mt['decode_gap_ms_p95'])}  blas {run['blas']['blas']}")
+                f"p95 gap {_ms(mt['decode_gap_ms_p95'])}  blas {run['blas']['blas']}"
+            )
         model_description = model.describe()
 
     return {
@@ -599,10 +664,12 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
         "blas": {
             "parent": blas_info(),
             "runs": sorted({run["blas"]["blas"] for run in runs}),
-            "ld_preload": preloaded,
+            "preloaded_by_bench": preloaded,
+            "ld_preload": env.get("LD_PRELOAD"),  # what the runs were started with
         },
-        "environment": {k: os.environ.get(k) for k in
-                        ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD")},
+        "environment": {
+            k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD")
+        },
         "model": model_description,
         "trace": {
             "seed": args.seed,
@@ -638,9 +705,11 @@ def log(message: str) -> None:
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    header = (f"{'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
-              f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
-              f"{'ttft p50':>9} {'chunks':>6}")
+    header = (
+        f"{'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
+        f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
+        f"{'ttft p50':>9} {'chunks':>6}"
+    )
     lines = [header]
     for row in report["budgets"]:
         m = row["median"]
@@ -673,15 +742,24 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     xs = [r["median"]["output_tokens_per_s"] for r in rows]
     ys = [r["median"]["decode_gap_ms_p95"] for r in rows]
-    xerr = [[x - r["min"]["output_tokens_per_s"] for x, r in zip(xs, rows)],
-            [r["max"]["output_tokens_per_s"] - x for x, r in zip(xs, rows)]]
-    yerr = [[y - r["min"]["decode_gap_ms_p95"] for y, r in zip(ys, rows)],
-            [r["max"]["decode_gap_ms_p95"] - y for y, r in zip(ys, rows)]]
+    xerr = [
+        [x - r["min"]["output_tokens_per_s"] for x, r in zip(xs, rows)],
+        [r["max"]["output_tokens_per_s"] - x for x, r in zip(xs, rows)],
+    ]
+    yerr = [
+        [y - r["min"]["decode_gap_ms_p95"] for y, r in zip(ys, rows)],
+        [r["max"]["decode_gap_ms_p95"] - y for y, r in zip(ys, rows)],
+    ]
     ax.plot(xs, ys, color="0.7", linewidth=1, zorder=1)
     ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o", capsize=3, zorder=2)
     for x, y, r in zip(xs, ys, rows):
-        ax.annotate(f"prefill {r['prefill_step']}", (x, y), textcoords="offset points",
-                    xytext=(6, 6), fontsize=9)
+        ax.annotate(
+            f"prefill {r['prefill_step']}",
+            (x, y),
+            textcoords="offset points",
+            xytext=(6, 6),
+            fontsize=9,
+        )
     model = report["model"]
     ax.set_xlabel("output throughput (tokens/s)")
     ax.set_ylabel("p95 decode gap (ms)")

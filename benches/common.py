@@ -148,8 +148,11 @@ class BenchModel:
             "num_layers": self.num_layers,
             "original_num_layers": self.original_num_layers,
             "parameters": self.parameter_count(),
-            "prompt_token_ids": {"low": self.token_ids[0], "high": self.token_ids[1],
-                                 "excluded": self.excluded_ids},
+            "prompt_token_ids": {
+                "low": self.token_ids[0],
+                "high": self.token_ids[1],
+                "excluded": self.excluded_ids,
+            },
             "config": self.config,
         }
 
@@ -359,14 +362,15 @@ def mlx_info() -> dict[str, Any]:
 def openblas_preload_env(env: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
     """The environment for a child process, with Debian's OpenBLAS preloaded on Linux.
 
-    Returns (env, the LD_PRELOAD the children get, or None). Nothing changes where there is
-    no OpenBLAS, where this process already runs on it, or where LD_PRELOAD already names it.
+    Returns (env, the OpenBLAS path preloaded, or None where nothing was added: not Linux,
+    not installed, or this process already runs on it). LD_PRELOAD entries already there
+    are kept.
     """
     env = dict(os.environ if env is None else env)
     lib = openblas_path()
     current = env.get("LD_PRELOAD", "")
     if lib is None or blas_info()["blas"].startswith("openblas"):
-        return env, current or None  # children inherit whatever this process has
+        return env, None  # children inherit whatever this process runs on
     if lib in current.replace(" ", ":").split(":"):
         return env, lib
     env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib

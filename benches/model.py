@@ -4,33 +4,40 @@ One process builds one set of weights (by default the Qwen3-0.6B config with ran
 the same shapes, so the same FLOPs and bytes as the real checkpoint, no download) and hands the
 very same arrays to two implementations:
 
-    ref      tiny_llm_ref.Qwen3Model (or your tiny_llm with --solution tiny_llm), its dense
-             TinyKvFullCache; batch-4 decode uses one dense cache of batch 4 whose rows all
-             hold the same context (--batch-cache batching uses BatchingKvCache instead)
-    mlx-lm   mlx_lm.models.qwen3.Model with the same arrays, its own preallocated KVCache
-             from mlx_lm.models.cache.make_prompt_cache
+    ref      tiny_llm_ref.Qwen3Model (or your tiny_llm with --solution tiny_llm) with its dense
+             TinyKvFullCache; a decode batch of B rows uses one dense cache of batch B per
+             layer whose rows all hold the same context (--batch-cache batching: a
+             BatchingKvCache over B one-row dense caches instead)
+    mlx-lm   mlx_lm.models.qwen3.Model holding the same arrays, with its own KV cache from
+             mlx_lm.models.cache.make_prompt_cache (KVCache: preallocated, slice updates)
 
-Measured, interleaved between the two (one repeat runs ref then mlx-lm, the next mlx-lm
-then ref, so a machine that slowly speeds up or slows down favours neither):
+Measured, interleaved between the two (repeat 1 runs ref then mlx-lm, repeat 2 mlx-lm then
+ref, and so on, so a machine that slowly speeds up or slows down favours neither):
 
-    prefill  tokens/s for prompts of --prefill-lens tokens on an empty cache: the whole
+    prefill  tokens/s for a prompt of --prefill-lens tokens on an empty cache: the whole
              forward pass plus the logits of the last position (what a server needs)
-    decode   ms per step at a context of --decode-contexts tokens for --decode-batches rows;
-             the cache is filled with random keys/values of that length through the cache's
-             own update_and_fetch (the state a prefill would leave), then one warm-up step
-             and --decode-steps timed steps, each synchronized with mx.eval
+    decode   ms per step at a context of --decode-contexts tokens for --decode-batches rows:
+             the cache gets random keys/values of that length through its own
+             update_and_fetch (the state a prefill leaves), then --decode-warmup untimed and
+             --decode-steps timed greedy steps, each synchronized with mx.eval
 
-and the machine's limits in the same run: fp32 and bf16 matmul GFLOP/s, memory copy GB/s
-and a large matrix-vector product (weight-streaming) GB/s, all through MLX. Prefill is
-reported as a fraction of the matmul ceiling (model FLOPs / time), decode as a fraction of
-the bandwidth ceiling (bytes of weights and KV read per step / time). --ablate times single
-operations, plain ops (the course) against mx.fast / mlx-lm, at the model's shapes.
+and, in the same run, the machine's limits through MLX: fp32 and bf16 matmul GFLOP/s, copy
+GB/s and the GB/s of one large matrix-vector product. Prefill is reported as a fraction of
+the matmul ceiling (model FLOPs / time), decode as a fraction of the bandwidth ceiling
+(bytes of weights and KV one step must read / time).
+
+--ablate adds two ablations. Single operations at the model's shapes, plain ops (the course)
+against mx.fast / mlx-lm, each timed as one graph of several calls like in a forward pass.
+And whole-model variants of the course's model with one suspect replaced at a time (mlx-lm's
+preallocated cache, mx.fast.scaled_dot_product_attention, mx.fast.rms_norm + mx.fast.rope,
+all three), timed interleaved with the plain model and mlx-lm.
 
 On Linux the mlx[cpu] wheel runs matmuls on its bundled reference BLAS; when Debian's
 OpenBLAS is installed the script re-executes itself with it in LD_PRELOAD (--no-openblas
 keeps the bundled one). The JSON records which BLAS ran.
 
-    pdm run bench-model                                  # the full run (minutes)
+    pdm run bench-model                               # the full run: a few minutes
+    pdm run bench-model --ablate                      # and the ablations: a few more
     pdm run bench-model --model tiny --prefill-lens 32 --decode-contexts 32
     pdm run bench-model --num-layers 2 --prefill-lens 128 512 --ablate
 """
@@ -38,6 +45,7 @@ keeps the bundled one). The JSON records which BLAS ran.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import importlib
 import math
@@ -47,7 +55,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,9 +78,17 @@ from common import (  # noqa: E402
 from tiny_llm_support import choose_device, expected_shapes, gpu_available  # noqa: E402
 
 REEXEC_GUARD = "TINY_LLM_BENCH_MODEL_REEXEC"
+STARTED_AT = "TINY_LLM_BENCH_MODEL_STARTED"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
 MLX_LM = "mlx-lm"
+# Whole-model ablation variants: (suffix, preallocated cache, fast attention, fast norm+rope)
+VARIANTS = (
+    ("+prealloc-cache", True, False, False),
+    ("+fast-attention", False, True, False),
+    ("+fast-norm-rope", False, False, True),
+    ("+all-three", True, True, True),
+)
 
 
 def log(message: str) -> None:
@@ -108,10 +124,12 @@ def _timed(fn: Callable[[], Any]) -> float:
     return time.perf_counter() - t0
 
 
-def _best_times(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:
-    """One untimed call, then up to `repeats` timed ones (at least 2, stopping after budget_s)."""
-    mx.eval(fn())
-    times: list[float] = []
+def _sample(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:
+    """Times of `fn`: an untimed warm-up call, then up to `repeats` timed calls (at least 2,
+    fewer once budget_s is spent). A warm-up call over 1.5 s counts as a sample itself: a
+    kernel that slow gains nothing from warming up."""
+    first = _timed(fn)
+    times = [first] if first > 1.5 else []
     start = time.perf_counter()
     while len(times) < repeats and (len(times) < 2 or time.perf_counter() - start < budget_s):
         times.append(_timed(fn))
@@ -119,79 +137,180 @@ def _best_times(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[fl
 
 
 def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
-    """Matmul GFLOP/s (fp32, bf16 and the benchmark's dtype), copy and gemv GB/s, via MLX."""
+    """Matmul GFLOP/s (fp32, bf16, and fp16 if that is the dtype), copy and gemv GB/s."""
     out: dict[str, Any] = {"matmul_size": size}
-    key = mx.random.key(1)
+    ka, kb = mx.random.split(mx.random.key(1))
     flops = 2.0 * size**3
-    for name, dt in (("float32", mx.float32), ("bfloat16", mx.bfloat16), ("float16", mx.float16)):
+    for name, dt in DTYPES.items():
         if name == "float16" and dt != dtype:
-            continue  # fp16 only when the benchmark runs in it
-        a = mx.random.uniform(-1, 1, (size, size), key=key).astype(dt)
-        b = mx.random.uniform(-1, 1, (size, size), key=mx.random.split(key)[0]).astype(dt)
+            continue
+        a = mx.random.uniform(-1, 1, (size, size), key=ka).astype(dt)
+        b = mx.random.uniform(-1, 1, (size, size), key=kb).astype(dt)
         mx.eval(a, b)
-        times = _best_times(lambda a=a, b=b: a @ b, repeats, budget_s=6.0)
+        times = _sample(lambda a=a, b=b: a @ b, repeats, budget_s=5.0)
         out[f"matmul_{name}_gflops"] = _stats([flops / t / 1e9 for t in times])
         log(f"  matmul {size}x{size} {name}: {out[f'matmul_{name}_gflops']['max']:.1f} GFLOP/s "
             f"(best of {len(times)})")
 
-    # Copy: a source larger than the caches, copied in 8 MB pieces. One large output would be
-    # a fresh mmap each time on Linux (malloc hands out big blocks that way), and the page
-    # faults of touching it would be timed too; that is recorded separately below.
-    piece = 2 * 1024 * 1024  # float32 elements = 8 MB
+    # Copy: a float32 source larger than the caches, copied in 8 MB pieces. A single large
+    # output would come from a fresh mmap every time on Linux, and the page faults of first
+    # touching it would be timed as well; that number is recorded separately.
+    piece = 2 * 1024 * 1024
     pieces = max(1, copy_mb * 1024 * 1024 // 4 // piece)
-    src = mx.random.uniform(-1, 1, (pieces, piece), key=key)
+    src = mx.random.uniform(-1, 1, (pieces, piece), key=ka)
     mx.eval(src)
-    rows = [src[i] for i in range(pieces)]  # views, no copies
+    views = [src[i] for i in range(pieces)]  # slices of a contiguous array: no copies
 
     def copy_all() -> float:
         t0 = time.perf_counter()
-        for r in rows:
-            y = r + 0  # read 4 bytes and write 4 bytes per element
-            mx.eval(y)
-            del y
+        for view in views:
+            mx.eval(view + 0)  # reads 4 bytes and writes 4 bytes per element
         return time.perf_counter() - t0
 
     copy_all()
     nbytes = 2 * src.nbytes
-    copy_times = [copy_all() for _ in range(max(2, repeats))]
-    out["copy_gbs"] = _stats([nbytes / t / 1e9 for t in copy_times])
     out["copy_bytes"] = nbytes
-    whole = src.reshape(-1)
-    fresh = [_timed(lambda: whole + 0) for _ in range(2)]
-    out["copy_fresh_allocation_gbs"] = _stats([nbytes / t / 1e9 for t in fresh])
+    out["copy_gbs"] = _stats([nbytes / copy_all() / 1e9 for _ in range(max(2, repeats))])
+    flat = src.reshape(-1)
+    out["copy_fresh_allocation_gbs"] = _stats([nbytes / _timed(lambda: flat + 0) / 1e9
+                                               for _ in range(2)])
 
-    # gemv: one row times a weight matrix larger than the caches, the shape of decode.
-    rows_w, cols_w = 16384, 4096
-    w = mx.random.uniform(-1, 1, (rows_w, cols_w), key=key).astype(dtype)
-    v = mx.random.uniform(-1, 1, (1, cols_w), key=key).astype(dtype)
+    # gemv: one row times a weight matrix far larger than the caches: the shape of decode.
+    shape = (16384, 4096)
+    w = mx.random.uniform(-1, 1, shape, key=ka).astype(dtype)
+    v = mx.random.uniform(-1, 1, (1, shape[1]), key=kb).astype(dtype)
     mx.eval(w, v)
-    times = _best_times(lambda: v @ w.T, max(3, repeats), budget_s=4.0)
+    times = _sample(lambda: v @ w.T, max(3, repeats), budget_s=4.0)
     out["gemv_gbs"] = _stats([w.nbytes / t / 1e9 for t in times])
-    out["gemv_shape"] = [rows_w, cols_w]
+    out["gemv_shape"] = list(shape)
     out["bandwidth_ceiling_gbs"] = max(out["copy_gbs"]["max"], out["gemv_gbs"]["max"])
-    dname = _dtype_name(dtype)
+    dname = next(name for name, dt in DTYPES.items() if dt == dtype)
     out["matmul_ceiling_gflops"] = out[f"matmul_{dname}_gflops"]["max"]
     out["ceiling_dtype"] = dname
     log(f"  copy {out['copy_gbs']['max']:.1f} GB/s (read+write, 8 MB pieces; "
         f"{out['copy_fresh_allocation_gbs']['max']:.1f} GB/s into one fresh "
-        f"{nbytes // 2 >> 20} MB array), gemv {out['gemv_gbs']['max']:.1f} GB/s")
+        f"{nbytes // 2 >> 20} MB array), gemv {dname} {out['gemv_gbs']['max']:.1f} GB/s")
     return out
 
 
-# --- the two implementations -------------------------------------------------------------
+# --- the implementations -----------------------------------------------------------------
+
+
+class PreallocatedKvCache:
+    """mlx-lm's KVCache (storage grown 256 positions at a time, written with slice updates)
+    behind the course's cache interface: update_and_fetch -> (keys, values, None)."""
+
+    def __init__(self):
+        from mlx_lm.models.cache import KVCache
+
+        self.inner = KVCache()
+
+    @property
+    def offset(self) -> int:
+        return self.inner.offset
+
+    @property
+    def keys(self) -> mx.array | None:
+        return self.inner.keys
+
+    @property
+    def values(self) -> mx.array | None:
+        return self.inner.values
+
+    def update_and_fetch(self, key: mx.array, value: mx.array):
+        keys, values = self.inner.update_and_fetch(key, value)  # [B, H_kv, S, D]
+        return keys, values, None
+
+    def materialize(self) -> None:
+        if self.inner.keys is not None:
+            mx.eval(self.inner.keys, self.inner.values)
+
+    def release(self) -> None:
+        self.__init__()
+
+
+class FastRMSNorm:
+    """mx.fast.rms_norm with the weight and eps of a course RMSNorm."""
+
+    def __init__(self, norm):
+        self.weight, self.eps = norm.weight, norm.eps
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return mx.fast.rms_norm(x, self.weight, self.eps)
+
+
+class FastRoPE:
+    """mx.fast.rope behind the course's RoPE call: x [B, L, H, D], offset int or per row."""
+
+    def __init__(self, rope, base: float):
+        self.dims, self.traditional, self.base = rope.dims, rope.traditional, base
+
+    def __call__(self, x: mx.array, offset: int | list[int] = 0) -> mx.array:
+        off = offset if isinstance(offset, int) else mx.array(offset)
+        y = mx.fast.rope(x.swapaxes(1, 2), self.dims, traditional=self.traditional,
+                         base=self.base, scale=1.0, offset=off)  # rope rotates [B, H, L, D]
+        return y.swapaxes(1, 2)
+
+
+def fast_attention(query, key, value, scale=None, mask=None):
+    """The course's grouped attention signature on mx.fast.scaled_dot_product_attention."""
+    scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    return mx.fast.scaled_dot_product_attention(query, key, value, scale=scale, mask=mask)
 
 
 class RefImpl:
-    """The course's model and dense cache (tiny_llm_ref, or the student's tiny_llm)."""
+    """The course's model and caches (tiny_llm_ref, or the student's tiny_llm); for the
+    ablation, with some parts swapped for mlx-lm's cache or mx.fast operations."""
 
-    def __init__(self, package: str, ckpt, max_seq_len: int, batch_cache: str):
+    def __init__(self, package: str, ckpt, max_seq_len: int, batch_cache: str,
+                 prealloc: bool = False, fast_attn: bool = False, fast_norm_rope: bool = False):
         self.pkg = importlib.import_module(package)
         self.model = self.pkg.Qwen3Model(ckpt, max_seq_len=max_seq_len)
         self.batch_cache = batch_cache
+        self.prealloc = prealloc
+        self.attention_module = None
+        if fast_attn:
+            module = sys.modules[type(self.model.layers[0].self_attn).__module__]
+            if not hasattr(module, "scaled_dot_product_attention_grouped"):
+                raise RuntimeError(f"{module.__name__} does not call "
+                                   "scaled_dot_product_attention_grouped: cannot swap it")
+            self.attention_module = module
+        if fast_norm_rope:
+            theta = ckpt.config.rope_theta
+            for layer in self.model.layers:
+                attn = layer.self_attn
+                layer.input_layernorm = FastRMSNorm(layer.input_layernorm)
+                layer.post_attention_layernorm = FastRMSNorm(layer.post_attention_layernorm)
+                attn.q_norm, attn.k_norm = FastRMSNorm(attn.q_norm), FastRMSNorm(attn.k_norm)
+                attn.rope = FastRoPE(attn.rope, theta)
+            self.model.norm = FastRMSNorm(self.model.norm)
+
+    @contextlib.contextmanager
+    def _swapped(self) -> Iterator[None]:
+        """While the graph is built, the attention module calls fast_attention instead."""
+        if self.attention_module is None:
+            yield
+            return
+        name = "scaled_dot_product_attention_grouped"
+        plain = getattr(self.attention_module, name)
+        setattr(self.attention_module, name, fast_attention)
+        try:
+            yield
+        finally:
+            setattr(self.attention_module, name, plain)
+
+    def _layer_cache(self):
+        return PreallocatedKvCache() if self.prealloc else self.pkg.TinyKvFullCache()
+
+    def _caches(self) -> list:
+        if self.prealloc:
+            return [self._layer_cache() for _ in range(self.model.num_hidden_layers)]
+        return self.model.create_kv_cache()
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
-        cache = self.model.create_kv_cache()
-        logits = self.model(tokens, 0, cache, logits_to_keep=1)  # [1, 1, V]
+        cache = self._caches()
+        with self._swapped():
+            logits = self.model(tokens, 0, cache, logits_to_keep=1)  # [1, 1, V]
         return logits, cache
 
     def decode_cache(self, kv: list[tuple[mx.array, mx.array]]) -> tuple[list, int | list[int]]:
@@ -201,28 +320,29 @@ class RefImpl:
             for k, v in kv:
                 layer = self.pkg.BatchingKvCache(b)
                 for row in range(b):
-                    row_cache = self.pkg.TinyKvFullCache()
+                    row_cache = self._layer_cache()
                     row_cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
                     layer.add_request(row_cache, row)
                 caches.append(layer)
             return caches, [s] * b
-        caches = self.model.create_kv_cache()
+        caches = self._caches()
         for c, (k, v) in zip(caches, kv):
-            c.update_and_fetch(k, v)  # [B, H_kv, S, D]: the state a prefill would leave
+            c.update_and_fetch(k, v)  # [B, H_kv, S, D]: the state a prefill leaves
         return caches, s
 
     def decode_step(self, tokens: mx.array, cache: list, offset: int | list[int]):
-        logits = self.model(tokens, offset, cache)  # [B, 1, V]
+        with self._swapped():
+            logits = self.model(tokens, offset, cache)  # [B, 1, V]
         nxt = offset + 1 if isinstance(offset, int) else [o + 1 for o in offset]
         return logits, nxt
 
 
 class MlxLmImpl:
-    """mlx-lm's Qwen3 with the same weight arrays and its own KV cache."""
+    """mlx-lm's Qwen3 holding the same weight arrays, with its own KV cache."""
 
     def __init__(self, ckpt):
         from mlx_lm.models import qwen3
-        from mlx_lm.models.cache import KVCache, make_prompt_cache
+        from mlx_lm.models.cache import make_prompt_cache
 
         c = ckpt.config
         args = qwen3.ModelArgs(
@@ -240,16 +360,14 @@ class MlxLmImpl:
             tie_word_embeddings=c.tie_word_embeddings,
         )
         self.model = qwen3.Model(args)
-        names = expected_shapes(c)  # a checkpoint cut to fewer layers keeps extra tensors
-        weights = {k: ckpt.weights[k] for k in names}
-        weights = self.model.sanitize(weights)  # drops lm_head when it is tied
+        names = expected_shapes(c)  # a checkpoint cut to fewer layers has tensors to spare
+        weights = self.model.sanitize({k: ckpt.weights[k] for k in names})  # tied: no lm_head
         self.model.load_weights(list(weights.items()), strict=True)  # the same arrays, no copy
         self._make_cache = make_prompt_cache
-        self._kv_cache = KVCache
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
         cache = self._make_cache(self.model)
-        h = self.model.model(tokens, cache)[:, -1:, :]  # final-normed hidden states
+        h = self.model.model(tokens, cache)[:, -1:, :]  # final-normed hidden state, last row
         if self.model.args.tie_word_embeddings:
             logits = self.model.model.embed_tokens.as_linear(h)
         else:
@@ -267,10 +385,10 @@ class MlxLmImpl:
 
 
 def cache_arrays(cache: list) -> list[mx.array]:
-    """The storage of every layer cache (dense, batching or mlx-lm), to evaluate with a step."""
+    """The storage of every layer cache (dense, batching or mlx-lm), evaluated with a step."""
     found: list[mx.array] = []
     for c in cache:
-        parts = [c] if not hasattr(c, "slots") else [s for s in c.slots if s is not None]
+        parts = [s for s in c.slots if s is not None] if hasattr(c, "slots") else [c]
         for p in parts:
             found += [a for a in (getattr(p, "keys", None), getattr(p, "values", None))
                       if isinstance(a, mx.array)]
@@ -287,17 +405,16 @@ def layer_matmul_params(cfg) -> int:
 
 
 def prefill_flops(cfg, length: int) -> float:
-    """Matmul FLOPs of the projections and MLP for every token, the causal half of the
+    """2 FLOPs per matmul parameter per token (projections and MLP), the causal half of the
     attention scores and weighted sums, and the lm_head for the one kept row."""
-    per_layer = 2.0 * length * layer_matmul_params(cfg)
+    matmuls = 2.0 * length * layer_matmul_params(cfg)
     attention = 2.0 * cfg.num_attention_heads * cfg.head_dim * length * (length + 1)
-    head = 2.0 * cfg.hidden_size * cfg.vocab_size
-    return cfg.num_hidden_layers * (per_layer + attention) + head
+    return cfg.num_hidden_layers * (matmuls + attention) + 2.0 * cfg.hidden_size * cfg.vocab_size
 
 
 def decode_bytes(cfg, batch: int, context: int, itemsize: int) -> float:
-    """Bytes one decode step must read at least: every weight once (the embedding table only
-    its `batch` rows) and, per layer, the keys and values of context + 1 positions per row."""
+    """The bytes one decode step has to read: every weight once (of the embedding table only
+    the rows looked up) and, per layer and row, the keys and values of context + 1 positions."""
     e, d = cfg.hidden_size, cfg.head_dim
     weights = cfg.num_hidden_layers * (layer_matmul_params(cfg) + 2 * e + 2 * d)
     weights += e * cfg.vocab_size + e + batch * e  # lm_head, final norm, embedding rows
@@ -313,15 +430,14 @@ def _stats(values: Sequence[float]) -> dict[str, Any]:
             "values": list(values)}
 
 
-def _order(repeat: int, impls: dict[str, Any]) -> list[str]:
-    names = list(impls)
-    return names if repeat % 2 == 0 else names[::-1]
+def _order(repeat: int, names: Sequence[str]) -> list[str]:
+    return list(names) if repeat % 2 == 0 else list(names)[::-1]
 
 
 def random_tokens(rng: random.Random, model: BenchModel, shape: tuple[int, int]) -> mx.array:
     low, high = model.token_ids
     excluded = set(model.excluded_ids)
-    ids = []
+    ids: list[int] = []
     while len(ids) < shape[0] * shape[1]:
         t = rng.randrange(low, high)
         if t not in excluded:
@@ -333,9 +449,17 @@ def run_prefill(impl, tokens: mx.array) -> float:
     t0 = time.perf_counter()
     logits, cache = impl.prefill(tokens)
     mx.eval(logits, *cache_arrays(cache))
-    dt = time.perf_counter() - t0
-    del logits, cache
-    return dt
+    return time.perf_counter() - t0
+
+
+def _ratios(row: dict[str, Any], metric: str, higher_is_better: bool) -> dict[str, float]:
+    """Throughput of each implementation over mlx-lm's: above 1, it is faster than mlx-lm."""
+    base = row["impls"][MLX_LM][metric]["median"]
+    out = {}
+    for name, m in row["impls"].items():
+        if name != MLX_LM:
+            out[name] = m[metric]["median"] / base if higher_is_better else base / m[metric]["median"]
+    return out
 
 
 def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model, cfg, ceil):
@@ -345,28 +469,27 @@ def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model
         is_long = length >= long_from
         reps = long_repeats if is_long else repeats
         if not is_long:
-            for name in impls:  # warm-up at this shape
-                run_prefill(impls[name], tokens)
+            for impl in impls.values():  # warm-up at this shape
+                run_prefill(impl, tokens)
         times: dict[str, list[float]] = {name: [] for name in impls}
         for r in range(reps):
             for name in _order(r, impls):
                 t = run_prefill(impls[name], tokens)
                 times[name].append(t)
-                log(f"  prefill {length:>5} tokens  {name:<8} repeat {r + 1}/{reps}: "
+                log(f"  prefill {length:>5} tokens  {name:<20} {r + 1}/{reps}: "
                     f"{length / t:8.1f} tok/s ({t:.2f} s)")
         flops = prefill_flops(cfg, length)
         row: dict[str, Any] = {"kind": "prefill", "prompt_len": length, "repeats": reps,
-                               "warmup": 0 if is_long else 1, "flops": flops, "impls": {}}
+                               "warmup_runs": 0 if is_long else 1, "flops": flops, "impls": {}}
         for name, ts in times.items():
-            tps = [length / t for t in ts]
             gflops = [flops / t / 1e9 for t in ts]
             row["impls"][name] = {
-                "tokens_per_s": _stats(tps),
+                "tokens_per_s": _stats([length / t for t in ts]),
                 "seconds": _stats(ts),
                 "gflops": _stats(gflops),
                 "fraction_of_matmul_ceiling": median(gflops) / ceil["matmul_ceiling_gflops"],
             }
-        row["ratio_ref_over_mlx_lm"] = _ratio(row, "tokens_per_s", higher_is_better=True)
+        row["ratio_over_mlx_lm"] = _ratios(row, "tokens_per_s", higher_is_better=True)
         rows.append(row)
     return rows
 
@@ -382,81 +505,82 @@ def run_decode(impl, kv, tokens: mx.array, warmup: int, steps: int) -> list[floa
         mx.eval(tokens, *cache_arrays(cache))
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-    del cache, logits
     return times
 
 
-def measure_decode(impls, contexts, batches, repeats, warmup, steps, rng, model, cfg, dtype,
-                   ceil):
+def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int):
+    """Random keys/values [batch, H_kv, context, D] for every layer, shared by all models."""
+    key = mx.random.key(seed)
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    kv = []
+    for _ in range(cfg.num_hidden_layers):
+        key, k1, k2 = mx.random.split(key, 3)
+        pair = (mx.random.uniform(-1, 1, shape, key=k1).astype(dtype),
+                mx.random.uniform(-1, 1, shape, key=k2).astype(dtype))
+        mx.eval(pair)
+        kv.append(pair)
+    return kv
+
+
+def measure_decode(impls, points, repeats, warmup, steps, rng, model, cfg, dtype, ceil):
     rows = []
-    key = mx.random.key(2)
-    shape_kv = (cfg.num_key_value_heads, cfg.head_dim)
-    for context in contexts:
-        for batch in batches:
-            kv = []
-            for _ in range(cfg.num_hidden_layers):  # the same random context for both models
-                key, k1, k2 = mx.random.split(key, 3)
-                shape = (batch, shape_kv[0], context, shape_kv[1])
-                kv.append((mx.random.uniform(-1, 1, shape, key=k1).astype(dtype),
-                           mx.random.uniform(-1, 1, shape, key=k2).astype(dtype)))
-                mx.eval(kv[-1])
-            tokens = random_tokens(rng, model, (batch, 1))
-            per_step: dict[str, list[float]] = {name: [] for name in impls}
-            for r in range(repeats):
-                for name in _order(r, impls):
-                    ts = run_decode(impls[name], kv, tokens, warmup, steps)
-                    per_step[name].append(sum(ts) / len(ts))
-                    log(f"  decode ctx {context:>5} batch {batch}  {name:<8} repeat "
-                        f"{r + 1}/{repeats}: {1000 * per_step[name][-1]:8.1f} ms/step")
-            del kv
-            nbytes = decode_bytes(cfg, batch, context, dtype.size)
-            row: dict[str, Any] = {"kind": "decode", "context": context, "batch": batch,
-                                   "repeats": repeats, "warmup_steps": warmup,
-                                   "timed_steps": steps, "bytes_per_step": nbytes, "impls": {}}
-            for name, ts in per_step.items():
-                gbs = [nbytes / t / 1e9 for t in ts]
-                row["impls"][name] = {
-                    "ms_per_step": _stats([1000 * t for t in ts]),
-                    "tokens_per_s": _stats([batch / t for t in ts]),
-                    "gbs": _stats(gbs),
-                    "fraction_of_bandwidth_ceiling": median(gbs) / ceil["bandwidth_ceiling_gbs"],
-                }
-            row["ratio_ref_over_mlx_lm"] = _ratio(row, "ms_per_step", higher_is_better=False)
-            rows.append(row)
+    for context, batch in points:
+        kv = random_context(cfg, batch, context, dtype, seed=context * 16 + batch)
+        tokens = random_tokens(rng, model, (batch, 1))
+        per_step: dict[str, list[float]] = {name: [] for name in impls}
+        for r in range(repeats):
+            for name in _order(r, impls):
+                ts = run_decode(impls[name], kv, tokens, warmup, steps)
+                per_step[name].append(sum(ts) / len(ts))
+                log(f"  decode ctx {context:>5} batch {batch}  {name:<20} {r + 1}/{repeats}: "
+                    f"{1000 * per_step[name][-1]:8.1f} ms/step")
+        del kv
+        nbytes = decode_bytes(cfg, batch, context, dtype.size)
+        row: dict[str, Any] = {"kind": "decode", "context": context, "batch": batch,
+                               "repeats": repeats, "warmup_steps": warmup, "timed_steps": steps,
+                               "bytes_per_step": nbytes, "impls": {}}
+        for name, ts in per_step.items():
+            gbs = [nbytes / t / 1e9 for t in ts]
+            row["impls"][name] = {
+                "ms_per_step": _stats([1000 * t for t in ts]),
+                "tokens_per_s": _stats([batch / t for t in ts]),
+                "gbs": _stats(gbs),
+                "fraction_of_bandwidth_ceiling": median(gbs) / ceil["bandwidth_ceiling_gbs"],
+            }
+        row["ratio_over_mlx_lm"] = _ratios(row, "ms_per_step", higher_is_better=False)
+        rows.append(row)
     return rows
 
 
-def _ratio(row: dict[str, Any], metric: str, higher_is_better: bool) -> float:
-    """Throughput of the course's model over mlx-lm's: above 1, the course's is faster."""
-    ref_name = next(n for n in row["impls"] if n != MLX_LM)
-    ref = row["impls"][ref_name][metric]["median"]
-    other = row["impls"][MLX_LM][metric]["median"]
-    return ref / other if higher_is_better else other / ref
-
-
 def check_agreement(impls, rng, model) -> dict[str, Any]:
-    """Both models on the same 16 tokens: the last logits must match (same weights)."""
+    """Every model on the same 16 tokens: with the same weights the last logits must match
+    mlx-lm's (this is also everyone's first, compiling, call)."""
     tokens = random_tokens(rng, model, (1, 16))
-    outs = {}
-    for name, impl in impls.items():
-        logits, _ = impl.prefill(tokens)
-        outs[name] = logits.astype(mx.float32)
-    a, b = outs.values()
-    diff = mx.max(mx.abs(a - b)).item()
-    scale = mx.max(mx.abs(b)).item()
-    same_argmax = bool(mx.all(mx.argmax(a, axis=-1) == mx.argmax(b, axis=-1)).item())
-    return {"max_abs_diff": diff, "max_abs_logit": scale, "same_argmax": same_argmax}
+    outs = {name: impl.prefill(tokens)[0].astype(mx.float32) for name, impl in impls.items()}
+    base = outs[MLX_LM]
+    scale = mx.max(mx.abs(base)).item()
+    report = {"max_abs_logit_mlx_lm": scale}
+    for name, out in outs.items():
+        if name != MLX_LM:
+            report[name] = {
+                "max_abs_diff": mx.max(mx.abs(out - base)).item(),
+                "same_argmax": bool(mx.all(mx.argmax(out, -1) == mx.argmax(base, -1)).item()),
+            }
+    return report
 
 
-# --- ablation: single operations, plain ops against mx.fast / mlx-lm ------------------------
+# --- ablation: single operations ---------------------------------------------------------
 
 
-def ablate(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeats: int):
-    """Time each operation the two models do differently, at the model's shapes, in two
-    regimes: prefill (1 x prefill_len tokens, empty cache) and decode (1 token, `context`
-    cached). Per forward pass it happens once per layer (RMSNorm of the hidden state:
-    twice). The estimate multiplies the difference by the number of calls per forward pass;
-    ops fuse and overlap differently inside a whole model, so it is a guide, not a sum."""
+def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeats: int,
+               calls: int = 8) -> list[dict[str, Any]]:
+    """Plain ops (the course's) against mx.fast / mlx-lm for each operation the two models do
+    differently, in two regimes: prefill (one prompt of prefill_len tokens) and decode (one
+    token over `context` cached ones). Each timing evaluates `calls` independent calls in one
+    graph, as a forward pass does, so per-eval overhead does not swamp small operations. The
+    estimate scales the difference by the calls per forward pass (RMSNorm of the hidden state
+    twice per layer, the others once) per token; inside a model, operations overlap and fuse
+    differently, so it is a guide, not an exact share of the step."""
     from mlx_lm.models.activations import swiglu
     from mlx_lm.models.cache import KVCache
 
@@ -469,154 +593,185 @@ def ablate(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeats: i
     def rnd(*shape):
         nonlocal key
         key, sub = mx.random.split(key)
-        return mx.random.uniform(-1, 1, shape, key=sub).astype(dtype)
+        out = mx.random.uniform(-1, 1, shape, key=sub).astype(dtype)
+        mx.eval(out)
+        return out
 
     norm_w, head_w = mx.ones((e,), dtype=dtype), mx.ones((d,), dtype=dtype)
     rms_hidden, rms_head = pkg.RMSNorm(e, norm_w, eps), pkg.RMSNorm(d, head_w, eps)
-    rope = pkg.RoPE(d, prefill_len + context + repeats + 8, theta)
-    results = []
+    rope = pkg.RoPE(d, prefill_len + context + 8, theta)
+    results: list[dict[str, Any]] = []
 
-    def add(name, regime, calls, plain, fast, tokens, note):
-        mx.eval(plain(), fast())  # warm-up, and a check that both compute the same thing
-        p_out, f_out = plain(), fast()
-        diff = mx.max(mx.abs(p_out.astype(mx.float32) - f_out.astype(mx.float32))).item()
+    def fast_rope(x, offset):  # x [B, L, H, D] -> [B, H, L, D], as mlx-lm applies it
+        return mx.fast.rope(x.swapaxes(1, 2), d, traditional=False, base=theta, scale=1.0,
+                            offset=offset)
+
+    def record(name, regime, per_layer, tokens, plain_fn, fast_fn, diff, note):
         times = {"plain": [], "fast": []}
         for r in range(repeats):
             for which in ("plain", "fast") if r % 2 == 0 else ("fast", "plain"):
-                times[which].append(_timed(plain if which == "plain" else fast))
+                times[which].append(_timed(plain_fn if which == "plain" else fast_fn) / calls)
         p_ms, f_ms = 1000 * median(times["plain"]), 1000 * median(times["fast"])
-        saved = (p_ms - f_ms) * calls * layers / tokens
+        saved = (p_ms - f_ms) * per_layer * layers / tokens
         results.append({"op": name, "regime": regime, "plain_ms": p_ms, "fast_ms": f_ms,
-                        "speedup": p_ms / f_ms if f_ms > 0 else None, "calls_per_layer": calls,
-                        "est_ms_saved_per_token": saved, "max_abs_diff": diff, "note": note})
-        log(f"  ablate {regime:<7} {name:<22} plain {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
-            f"-> {saved:+8.2f} ms per token over {layers} layers")
+                        "speedup": p_ms / f_ms if f_ms > 0 else None,
+                        "calls_per_layer": per_layer, "est_ms_saved_per_token": saved,
+                        "max_abs_diff": diff, "note": note})
+        log(f"  {regime:<7} {name:<18} plain {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
+            f"(x{p_ms / max(f_ms, 1e-9):4.1f}) -> {saved:+7.2f} ms/token over {layers} layers")
+
+    def add(name, regime, per_layer, tokens, inputs, plain, fast, note):
+        plain_fn = lambda: [plain(*x) for x in inputs]
+        fast_fn = lambda: [fast(*x) for x in inputs]
+        mx.eval(plain_fn(), fast_fn())  # warm-up (mx.compile traces here)
+        p0, f0 = plain(*inputs[0]), fast(*inputs[0])
+        pairs = zip(p0, f0) if isinstance(p0, tuple) else [(p0, f0)]
+        diff = max(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
+                   for a, b in pairs)
+        record(name, regime, per_layer, tokens, plain_fn, fast_fn, diff, note)
 
     for regime, length in (("prefill", prefill_len), ("decode", 1)):
         offset = 0 if regime == "prefill" else context
-        tokens = length
-        x = rnd(1, length, e)
-        q, k = rnd(1, length, hq, d), rnd(1, length, hkv, d)
-        add("rmsnorm hidden", regime, 2, lambda x=x: rms_hidden(x),
-            lambda x=x: mx.fast.rms_norm(x, norm_w, eps), tokens,
+        s = length if regime == "prefill" else context + 1
+        mask = "causal" if regime == "prefill" else None
+        add("rmsnorm hidden", regime, 2, length,
+            [(rnd(1, length, e),) for _ in range(calls)],
+            rms_hidden, lambda x: mx.fast.rms_norm(x, norm_w, eps),
             "course RMSNorm vs mx.fast.rms_norm on [1, L, E]")
-        add("rmsnorm q+k heads", regime, 1,
-            lambda q=q, k=k: mx.concatenate([rms_head(q), rms_head(k)], axis=2),
-            lambda q=q, k=k: mx.concatenate(
-                [mx.fast.rms_norm(q, head_w, eps), mx.fast.rms_norm(k, head_w, eps)], axis=2),
-            tokens, "QK-norm on [1, L, H, D]")
-        add("rope q+k", regime, 1,
-            lambda q=q, k=k, o=offset: mx.concatenate(
-                [rope(q, o).swapaxes(1, 2), rope(k, o).swapaxes(1, 2)], axis=1),
-            lambda q=q, k=k, o=offset: mx.concatenate(
-                [mx.fast.rope(q.swapaxes(1, 2), d, traditional=False, base=theta, scale=1.0,
-                              offset=o),
-                 mx.fast.rope(k.swapaxes(1, 2), d, traditional=False, base=theta, scale=1.0,
-                              offset=o)], axis=1),
-            tokens, "course RoPE (table lookup, split, concat) vs mx.fast.rope")
-        g, u = rnd(1, length, inter), rnd(1, length, inter)
-        add("silu(gate) * up", regime, 1, lambda g=g, u=u: pkg.silu(g) * u,
-            lambda g=g, u=u: swiglu(g, u), tokens, "plain ops vs mlx-lm's compiled swiglu")
-        if regime == "prefill":
-            qa, ka, va = rnd(1, hq, length, d), rnd(1, hkv, length, d), rnd(1, hkv, length, d)
-            mask = "causal"
-        else:
-            qa, ka, va = rnd(1, hq, 1, d), rnd(1, hkv, context + 1, d), rnd(1, hkv, context + 1, d)
-            mask = None
-        add("attention core", regime, 1,
-            lambda q=qa, k=ka, v=va, m=mask: pkg.scaled_dot_product_attention_grouped(
-                q, k, v, scale=scale, mask=m),
-            lambda q=qa, k=ka, v=va, m=mask: mx.fast.scaled_dot_product_attention(
-                q, k, v, scale=scale, mask=m),
-            tokens, "grouped matmul + softmax vs mx.fast.scaled_dot_product_attention")
+        qk = [(rnd(1, length, hq, d), rnd(1, length, hkv, d)) for _ in range(calls)]
+        add("rmsnorm q,k", regime, 1, length, qk,
+            lambda q, k: (rms_head(q), rms_head(k)),
+            lambda q, k: (mx.fast.rms_norm(q, head_w, eps), mx.fast.rms_norm(k, head_w, eps)),
+            "QK-norm of [1, L, H, D] queries and keys")
+        add("rope q,k", regime, 1, length, qk,
+            lambda q, k, o=offset: (rope(q, o).swapaxes(1, 2), rope(k, o).swapaxes(1, 2)),
+            lambda q, k, o=offset: (fast_rope(q, o), fast_rope(k, o)),
+            "course RoPE (table gather, halves, concatenate) vs mx.fast.rope")
+        add("silu(gate) * up", regime, 1, length,
+            [(rnd(1, length, inter), rnd(1, length, inter)) for _ in range(calls)],
+            lambda g, u: pkg.silu(g) * u, swiglu, "plain ops vs mlx-lm's compiled swiglu")
+        add("attention core", regime, 1, length,
+            [(rnd(1, hq, length, d), rnd(1, hkv, s, d), rnd(1, hkv, s, d))
+             for _ in range(calls)],
+            lambda q, k, v, m=mask: pkg.scaled_dot_product_attention_grouped(q, k, v, scale, m),
+            lambda q, k, v, m=mask: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
+                                                                         mask=m),
+            "grouped matmul + softmax vs mx.fast.scaled_dot_product_attention")
 
-    # The KV cache at decode: append one position to `context` cached ones, fetch all.
-    ks, vs = rnd(1, hkv, context, d), rnd(1, hkv, context, d)
-    kn, vn = rnd(1, hkv, 1, d), rnd(1, hkv, 1, d)
-    dense, pre = pkg.TinyKvFullCache(), KVCache()
-    dense.update_and_fetch(ks, vs)
-    pre.update_and_fetch(ks, vs)
-    mx.eval(*cache_arrays([dense, pre]))
+    # The KV cache at decode: each of `calls` layer caches holds `context` positions and gets
+    # one more; the step then reads all of them (keys and values returned).
+    base = [(rnd(1, hkv, context, d), rnd(1, hkv, context, d)) for _ in range(calls)]
+    new = [(rnd(1, hkv, 1, d), rnd(1, hkv, 1, d)) for _ in range(calls)]
+    dense = [pkg.TinyKvFullCache() for _ in range(calls)]
+    pre = [KVCache() for _ in range(calls)]
+    for group in (dense, pre):
+        for c, (k, v) in zip(group, base):
+            c.update_and_fetch(k, v)
+        mx.eval(*cache_arrays(group))
 
-    def append(cache):
-        def fn():
-            keys, values = cache.update_and_fetch(kn, vn)[:2]
-            return keys, values
-        return fn
+    def appender(group):
+        return lambda: [c.update_and_fetch(k, v)[:2] for c, (k, v) in zip(group, new)]
 
-    times = {"plain": [], "fast": []}
-    for _ in range(2):  # warm-up (mlx-lm grows its buffer by 256 positions on the first one)
-        mx.eval(append(dense)(), append(pre)())
-    for r in range(max(repeats, 8)):
-        for which in ("plain", "fast") if r % 2 == 0 else ("fast", "plain"):
-            times[which].append(_timed(append(dense if which == "plain" else pre)))
-    p_ms, f_ms = 1000 * median(times["plain"]), 1000 * median(times["fast"])
-    saved = (p_ms - f_ms) * layers
-    results.append({"op": "kv cache append", "regime": "decode", "plain_ms": p_ms,
-                    "fast_ms": f_ms, "speedup": p_ms / f_ms if f_ms > 0 else None,
-                    "calls_per_layer": 1, "est_ms_saved_per_token": saved,
-                    "max_abs_diff": None,
-                    "note": f"TinyKvFullCache (concatenate) vs mlx-lm KVCache (preallocated, "
-                            f"slice update), batch 1, context {context}"})
-    log(f"  ablate decode  {'kv cache append':<22} plain {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
-        f"-> {saved:+8.2f} ms per token over {layers} layers")
+    for _ in range(2):  # warm-up: mlx-lm's cache grows by 256 positions on the first append
+        mx.eval(appender(dense)(), appender(pre)())
+    record("kv cache append", "decode", 1, 1, appender(dense), appender(pre), None,
+           f"TinyKvFullCache (concatenate: copies all {context} positions) vs mlx-lm KVCache "
+           "(preallocated, slice update), batch 1")
     return results
+
+
+# --- ablation: whole-model variants ------------------------------------------------------
+
+
+def ablate_models(args, ckpt, longest, base_impls, rng, model, cfg, dtype, ceilings):
+    """The course's model with one suspect replaced at a time, next to the plain model and
+    mlx-lm: prefill at --ablate-len, decode at the largest context and batch."""
+    impls = dict(base_impls)
+    for suffix, prealloc, fast_attn, fast_norm_rope in VARIANTS:
+        impls[args.solution + suffix] = RefImpl(SOLUTIONS[args.solution], ckpt, longest + 16,
+                                                args.batch_cache, prealloc, fast_attn,
+                                                fast_norm_rope)
+    agreement = check_agreement(impls, rng, model)
+    for name, a in agreement.items():
+        if name in impls and name not in base_impls:
+            log(f"  {name}: max |logit diff| vs mlx-lm {a['max_abs_diff']:.2e}")
+    prefill_impls = {n: i for n, i in impls.items() if not n.endswith("+prealloc-cache")}
+    reps = args.ablate_repeats
+    prefill = measure_prefill(prefill_impls, [args.ablate_len], reps, reps, 10**9, rng,
+                              model, cfg, ceilings)
+    point = (max(args.decode_contexts or [1024]), max(args.decode_batches))
+    decode = measure_decode(impls, [point], reps, args.decode_warmup, args.decode_steps, rng,
+                            model, cfg, dtype, ceilings)
+    return {"agreement": agreement, "prefill": prefill, "decode": decode,
+            "variants": {args.solution + s: {"preallocated_cache": p, "fast_attention": a,
+                                             "fast_rms_norm_and_rope": n}
+                         for s, p, a, n in VARIANTS}}
 
 
 # --- report ------------------------------------------------------------------------------
 
 
-def _fmt_spread(stats: dict[str, Any], digits: int) -> str:
+def _spread(stats: dict[str, Any], digits: int = 1) -> str:
     return f"{stats['median']:.{digits}f} ({stats['min']:.{digits}f}-{stats['max']:.{digits}f})"
 
 
 def markdown_table(report: dict[str, Any]) -> str:
     ref = report["solution_label"]
     lines = [
-        f"| Measurement | {ref} | mlx-lm | {ref} / mlx-lm | {ref} of ceiling | mlx-lm of ceiling |",
+        f"| Measurement | {ref} | mlx-lm | {ref} / mlx-lm | {ref}, share of ceiling "
+        f"| mlx-lm, share of ceiling |",
         "|---|---:|---:|---:|---:|---:|",
     ]
     for row in report["prefill"]:
         a, b = row["impls"][ref], row["impls"][MLX_LM]
         lines.append(
-            f"| prefill {row['prompt_len']} tokens (tokens/s) | "
-            f"{_fmt_spread(a['tokens_per_s'], 1)} | {_fmt_spread(b['tokens_per_s'], 1)} | "
-            f"{row['ratio_ref_over_mlx_lm']:.2f} | "
-            f"{100 * a['fraction_of_matmul_ceiling']:.0f}% | "
-            f"{100 * b['fraction_of_matmul_ceiling']:.0f}% |"
-        )
+            f"| prefill {row['prompt_len']} tokens (tokens/s) | {_spread(a['tokens_per_s'])} "
+            f"| {_spread(b['tokens_per_s'])} | {row['ratio_over_mlx_lm'][ref]:.2f} "
+            f"| {100 * a['fraction_of_matmul_ceiling']:.0f}% "
+            f"| {100 * b['fraction_of_matmul_ceiling']:.0f}% |")
     for row in report["decode"]:
         a, b = row["impls"][ref], row["impls"][MLX_LM]
         lines.append(
-            f"| decode context {row['context']}, batch {row['batch']} (ms/step) | "
-            f"{_fmt_spread(a['ms_per_step'], 1)} | {_fmt_spread(b['ms_per_step'], 1)} | "
-            f"{row['ratio_ref_over_mlx_lm']:.2f} | "
-            f"{100 * a['fraction_of_bandwidth_ceiling']:.0f}% | "
-            f"{100 * b['fraction_of_bandwidth_ceiling']:.0f}% |"
-        )
-    c = report["ceilings"]
-    m = report["model"]
+            f"| decode context {row['context']}, batch {row['batch']} (ms/step) "
+            f"| {_spread(a['ms_per_step'])} | {_spread(b['ms_per_step'])} "
+            f"| {row['ratio_over_mlx_lm'][ref]:.2f} "
+            f"| {100 * a['fraction_of_bandwidth_ceiling']:.0f}% "
+            f"| {100 * b['fraction_of_bandwidth_ceiling']:.0f}% |")
+    c, m, s = report["ceilings"], report["model"], report["settings"]
     lines += [
         "",
-        f"Ceilings (same run): matmul {c['matmul_size']}x{c['matmul_size']} "
-        f"fp32 {c['matmul_float32_gflops']['max']:.1f} GFLOP/s, "
-        f"bf16 {c['matmul_bfloat16_gflops']['max']:.1f} GFLOP/s; "
-        f"copy {c['copy_gbs']['max']:.1f} GB/s, gemv {c['gemv_gbs']['max']:.1f} GB/s "
-        f"(bandwidth ceiling {c['bandwidth_ceiling_gbs']:.1f} GB/s). "
-        f"Model: {m['name']}, {m['num_layers']} layers, {m['parameters'] / 1e6:.0f}M parameters"
-        f"{', random weights' if m['random_weights'] else ''}, {report['dtype']} on "
-        f"{report['device']}; BLAS: {report['blas']['blas']}; MLX {report['mlx']['version']}, "
-        f"mlx-lm {report['mlx_lm_version']}; {report['host']['cpu_count']} CPUs "
-        f"({report['host']['machine']}). Median (min-max) of {report['settings']['repeats']} "
-        f"repeats ({report['settings']['long_repeats']} for prompts of "
-        f"{report['settings']['long_from']}+ tokens).",
+        f"Ceilings, same run: matmul {c['matmul_size']}x{c['matmul_size']} fp32 "
+        f"{c['matmul_float32_gflops']['max']:.1f} GFLOP/s, bf16 "
+        f"{c['matmul_bfloat16_gflops']['max']:.1f} GFLOP/s; copy {c['copy_gbs']['max']:.1f} "
+        f"GB/s, gemv {c['gemv_gbs']['max']:.1f} GB/s (bandwidth ceiling "
+        f"{c['bandwidth_ceiling_gbs']:.1f} GB/s). Model {m['name']}, {m['num_layers']} layers, "
+        f"{m['parameters'] / 1e6:.0f}M parameters{', random weights' if m['random_weights'] else ''}"
+        f", {report['dtype']} on {report['device']}; BLAS {report['blas']['blas']}; MLX "
+        f"{report['mlx']['version']}, mlx-lm {report['mlx_lm_version']}; "
+        f"{report['host']['cpu_count']} CPUs ({report['host']['machine']}). Median "
+        f"(min-max) of {s['repeats']} repeats ({s['long_repeats']} for prompts of "
+        f"{s['long_from']}+ tokens); decode: {s['decode_steps']} timed steps per repeat.",
     ]
-    if report.get("ablation"):
-        lines += ["", "| Operation | regime | plain ms | fast ms | est. ms saved per token |",
+    ab = report.get("ablation")
+    if ab:
+        lines += ["", "| Operation | regime | plain ms | fast ms | est. ms per token |",
                   "|---|---|---:|---:|---:|"]
-        for a in report["ablation"]:
+        for a in ab["ops"]:
             lines.append(f"| {a['op']} | {a['regime']} | {a['plain_ms']:.3f} | "
-                         f"{a['fast_ms']:.3f} | {a['est_ms_saved_per_token']:.2f} |")
+                         f"{a['fast_ms']:.3f} | {a['est_ms_saved_per_token']:+.2f} |")
+        pre, dec = ab["models"]["prefill"][0], ab["models"]["decode"][0]
+        lines += ["", f"| Model | prefill {pre['prompt_len']} (tokens/s) | decode context "
+                      f"{dec['context']}, batch {dec['batch']} (ms/step) | vs mlx-lm "
+                      f"(prefill / decode) |", "|---|---:|---:|---:|"]
+        for name in dec["impls"]:
+            p = pre["impls"].get(name)
+            ratio_p = pre["ratio_over_mlx_lm"].get(name) if p else None
+            ratio_d = dec["ratio_over_mlx_lm"].get(name)
+            lines.append(
+                f"| {name} | {_spread(p['tokens_per_s']) if p else 'n/a'} "
+                f"| {_spread(dec['impls'][name]['ms_per_step'])} "
+                f"| {f'{ratio_p:.2f}' if ratio_p else '-'} / "
+                f"{f'{ratio_d:.2f}' if ratio_d else '-'} |")
     return "\n".join(lines)
 
 
@@ -652,8 +807,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m = p.add_argument_group("model")
     m.add_argument("--model", default="qwen3-0.6b",
-                   help="tiny, a shortcut (qwen3-0.6b: embedded config, random weights), a "
-                   "checkpoint directory, or the path of a config.json")
+                   help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random "
+                   "weights), a checkpoint directory, or the path of a config.json")
     m.add_argument("--random-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="random weights with the model's shapes; default: on for shortcuts with "
                    "an embedded config and config.json paths, off for checkpoints")
@@ -665,35 +820,41 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--solution", choices=sorted(SOLUTIONS), default="ref",
                    help="ref: tiny_llm_ref; tiny_llm: your own solution")
     m.add_argument("--batch-cache", choices=("dense", "batching"), default="dense",
-                   help="the course's cache for decode batches > 1: one dense cache of batch B, "
-                   "or BatchingKvCache over B one-row dense caches")
+                   help="the course's cache for decode batches > 1: one dense cache of batch B "
+                   "per layer, or a BatchingKvCache over B one-row dense caches")
     m.add_argument("--offline", action="store_true",
                    help="never download: real weights must be in the Hugging Face cache")
     m.add_argument("--no-openblas", action="store_true",
                    help="on Linux, keep the bundled reference BLAS of the mlx[cpu] wheel")
     w = p.add_argument_group("workload")
     w.add_argument("--prefill-lens", type=positive_int, nargs="*", default=[128, 512, 2048],
-                   metavar="N", help="prompt lengths (none: skip prefill)")
+                   metavar="N", help="prompt lengths (none: no prefill measurements)")
     w.add_argument("--decode-contexts", type=positive_int, nargs="*", default=[128, 1024],
-                   metavar="N", help="cached tokens before the timed decode steps (none: skip)")
+                   metavar="N", help="cached tokens at the timed decode steps (none: no decode "
+                   "measurements)")
     w.add_argument("--decode-batches", type=positive_int, nargs="+", default=[1, 4],
                    metavar="B", help="rows decoded together")
     w.add_argument("--decode-steps", type=positive_int, default=8,
-                   help="timed decode steps per repeat (after --decode-warmup ones)")
-    w.add_argument("--decode-warmup", type=non_negative_int, default=1)
+                   help="timed decode steps per repeat")
+    w.add_argument("--decode-warmup", type=non_negative_int, default=1,
+                   help="untimed decode steps before them (mlx-lm grows its cache in the first)")
     w.add_argument("--repeats", type=positive_int, default=3,
-                   help="repeats of every measurement, alternating which model goes first")
+                   help="repeats of each measurement; the order of the models alternates")
     w.add_argument("--long-repeats", type=positive_int, default=2,
-                   help="repeats for prompts of --long-from tokens or more (no warm-up of "
-                   "their own: the shorter prompts warmed the kernels up)")
+                   help="repeats for prompts of --long-from tokens or more, which get no warm-up "
+                   "run of their own (the shorter prompts warmed the kernels up)")
     w.add_argument("--long-from", type=positive_int, default=1024)
     w.add_argument("--quick", action="store_true",
-                   help="prompts 128 and 512 only, 2 repeats, 4 decode steps")
-    w.add_argument("--ablate", action="store_true",
-                   help="also time single operations, plain ops vs mx.fast / mlx-lm")
-    w.add_argument("--ablate-len", type=positive_int, default=512,
-                   help="prompt length of the prefill ablation")
+                   help="prompts up to 512 tokens only, at most 2 repeats, 4 decode steps")
     w.add_argument("--seed", type=non_negative_int, default=0, help="weights and tokens")
+    a = p.add_argument_group("ablation")
+    a.add_argument("--ablate", action="store_true",
+                   help="time single operations plain vs mx.fast / mlx-lm, and the course's "
+                   "model with one suspect replaced at a time")
+    a.add_argument("--ablate-len", type=positive_int, default=512,
+                   help="prompt length of the prefill ablations")
+    a.add_argument("--ablate-repeats", type=positive_int, default=2,
+                   help="repeats of each whole-model variant")
     c = p.add_argument_group("ceilings")
     c.add_argument("--matmul-size", type=positive_int, default=2048)
     c.add_argument("--copy-mb", type=positive_int, default=256,
@@ -701,7 +862,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--ceiling-repeats", type=positive_int, default=3)
     o = p.add_argument_group("output")
     o.add_argument("--json-output", type=Path, default=None,
-                   help="default: benches/results/bench-model-<host>-<date>.json")
+                   help="default: benches/results/bench-model-<host>-<date>-<time>.json")
     return p
 
 
@@ -718,6 +879,7 @@ def mlx_lm_version() -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    t_start = time.time()
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
@@ -737,27 +899,31 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     args.seed, args.offline or None)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         parser.error(f"--model {args.model}: {e}")
-    longest = max([*args.prefill_lens, *[c + args.decode_warmup + args.decode_steps + 1
-                                         for c in args.decode_contexts], 1])
+    longest = max([*args.prefill_lens, 16, *[c + args.decode_warmup + args.decode_steps + 1
+                                             for c in args.decode_contexts]])
     if args.ablate:
-        longest = max(longest, args.ablate_len + max(args.decode_contexts or [128]) + 16)
+        longest = max(longest, args.ablate_len,
+                      max(args.decode_contexts or [1024]) + args.decode_warmup
+                      + args.decode_steps + 1)
     if longest > int(model.config["max_position_embeddings"]):
-        parser.error(f"{longest} positions exceed the model's max_position_embeddings")
+        parser.error(f"{longest} positions exceed the model's max_position_embeddings "
+                     f"({model.config['max_position_embeddings']})")
 
+    os.environ.setdefault(STARTED_AT, str(t_start))  # a re-executed process keeps the first's
+    started = float(os.environ[STARTED_AT])
     reexec_with_openblas(args.no_openblas)  # returns only when no re-exec is needed
 
-    started = time.time()
     device = choose_device(args.device)
     if args.dtype is None:
         args.dtype = "bfloat16" if device == "gpu" else "float32"
     dtype = DTYPES[args.dtype]
     blas = blas_info()
+    unused = blas["openblas_path"] and "openblas" not in blas["blas"]
     log(f"BLAS: {blas['blas']}" + (f" (OpenBLAS at {blas['openblas_path']} not used)"
-                                   if blas["openblas_path"] and "openblas" not in blas["blas"]
-                                   else ""))
+                                   if unused else ""))
     if device == "cpu" and "reference" in blas["blas"]:
-        log("warning: the bundled reference BLAS is 20-40x slower than OpenBLAS for fp32 "
-            "matmuls; `sudo apt-get install libopenblas0-pthread` (see the Performance "
+        log("warning: the bundled reference BLAS runs fp32 matmuls 20-40x slower than "
+            "OpenBLAS: `sudo apt-get install libopenblas0-pthread` (see the Performance "
             "appendix), or expect a long run")
 
     log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
@@ -771,33 +937,34 @@ def main(argv: Sequence[str] | None = None) -> int:
         label: RefImpl(SOLUTIONS[args.solution], ckpt, longest + 16, args.batch_cache),
         MLX_LM: MlxLmImpl(ckpt),
     }
-    mx.eval(list(ckpt.weights.values()))
     log(f"model {model.name}: {model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
         f"parameters ({'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {device}, built in {time.perf_counter() - t:.1f} s")
+        f"{args.dtype} on {device}, ready in {time.perf_counter() - t:.1f} s")
 
     rng = random.Random(args.seed)
     agreement = check_agreement(impls, rng, model)
-    log(f"same 16 tokens through both: max |logit diff| {agreement['max_abs_diff']:.2e} "
-        f"(largest logit {agreement['max_abs_logit']:.2f}), same argmax: "
-        f"{agreement['same_argmax']}")
+    log(f"same 16 tokens through both: max |logit diff| {agreement[label]['max_abs_diff']:.2e} "
+        f"(largest logit {agreement['max_abs_logit_mlx_lm']:.2f}), same argmax: "
+        f"{agreement[label]['same_argmax']}")
 
     prefill = measure_prefill(impls, args.prefill_lens, args.repeats, args.long_repeats,
                               args.long_from, rng, model, cfg, ceilings)
-    decode = measure_decode(impls, args.decode_contexts, args.decode_batches, args.repeats,
-                            args.decode_warmup, args.decode_steps, rng, model, cfg, dtype,
-                            ceilings)
+    points = [(c, b) for c in args.decode_contexts for b in args.decode_batches]
+    decode = measure_decode(impls, points, args.repeats, args.decode_warmup, args.decode_steps,
+                            rng, model, cfg, dtype, ceilings)
     ablation = None
     if args.ablate:
-        log("ablation (median of single operations):")
-        ablation = ablate(impls[label].pkg, cfg, dtype, args.ablate_len,
-                          max(args.decode_contexts or [1024]), max(args.repeats, 5))
+        log("ablation, single operations (median time of one call):")
+        ops = ablate_ops(impls[label].pkg, cfg, dtype, args.ablate_len,
+                         max(args.decode_contexts or [1024]), max(args.repeats, 5))
+        log("ablation, the course's model with parts replaced:")
+        models = ablate_models(args, ckpt, longest, impls, rng, model, cfg, dtype, ceilings)
+        ablation = {"ops": ops, "models": models}
 
     report = {
         "benchmark": "bench-model",
         "command": " ".join(sys.orig_argv),
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
-        "runtime_s": time.time() - started,
         "host": host_info(),
         "mlx": mlx_info(),
         "mlx_lm_version": mlx_lm_version(),
@@ -812,8 +979,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ref_batch_cache": ("one dense TinyKvFullCache of batch B per layer"
                             if args.batch_cache == "dense"
                             else "BatchingKvCache over B one-row TinyKvFullCaches per layer"),
-        "mlx_lm_cache": "mlx_lm.models.cache.make_prompt_cache (KVCache, preallocated in "
-                        "steps of 256 positions)",
+        "mlx_lm_cache": "make_prompt_cache: KVCache, preallocated 256 positions at a time",
         "model": model.describe(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "ceilings": ceilings,
@@ -822,24 +988,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         "decode": decode,
         "ablation": ablation,
         "notes": [
-            "ratio_ref_over_mlx_lm is a throughput ratio: above 1 the course's model is faster",
-            "prefill FLOPs: 2 x matmul parameters per token, the causal half of QK^T and PV, "
-            "and the lm_head for the last position only",
+            "ratio_over_mlx_lm is a throughput ratio: above 1 that model is faster than mlx-lm",
+            "prefill FLOPs: 2 per matmul parameter per token, the causal half of QK^T and PV, "
+            "and the lm_head for the last position only; share of ceiling = GFLOP/s over the "
+            "matmul GFLOP/s of the run's dtype",
             "decode bytes: every weight once per step (embedding: only the rows looked up) "
-            "plus the keys and values of context + 1 positions per row and layer",
-            "bandwidth ceiling: the larger of copy (read + write) and gemv GB/s",
+            "plus keys and values of context + 1 positions per row and layer; share of "
+            "ceiling = GB/s over the larger of copy and gemv GB/s",
         ],
     }
     report["runtime_s"] = time.time() - started
     path = args.json_output or default_json_path()
     write_json(path, report)
-    log(f"wrote {path} ({report['runtime_s']:.0f} s)")
+    log(f"wrote {path} (total {report['runtime_s']:.0f} s)")
     print(markdown_table(report))
     return 0
-
-
-def _dtype_name(dtype: mx.Dtype) -> str:
-    return next(name for name, dt in DTYPES.items() if dt == dtype)
 
 
 if __name__ == "__main__":

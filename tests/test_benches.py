@@ -22,7 +22,11 @@ import common  # noqa: E402
 # seed 0, 3 requests, prompt lengths 5..40, budgets 2..4, ids from the tiny vocabulary
 # (661 ids, 656..660 special). Changing how traces are drawn must change this on purpose.
 TINY_TRACE_ARGS = dict(
-    seed=0, num_seqs=3, input_len=(5, 40), output_len=(2, 4), token_ids=(0, 661),
+    seed=0,
+    num_seqs=3,
+    input_len=(5, 40),
+    output_len=(2, 4),
+    token_ids=(0, 661),
     excluded_ids=[656, 657, 658, 659, 660],
 )
 TINY_TRACE_SHA256 = "8eb39b581c8418270f5445a09da2f34d12a9df105e40fe2162c3bcc074f14551"
@@ -77,20 +81,53 @@ def test_run_trace_generates_exactly_the_budgets(tiny_dir):
 def test_cli_writes_the_report(tiny_dir, tmp_path):
     out = tmp_path / "report.json"
     args = [
-        "--model", str(tiny_dir), "--prefill-steps", "8", "64", "--num-seqs", "3",
-        "--batch-size", "2", "--min-input-len", "5", "--max-input-len", "40",
-        "--min-output-len", "2", "--max-output-len", "4", "--warmup", "1", "--repeats", "1",
-        "--no-plot", "--json-output", str(out),
+        "--model",
+        str(tiny_dir),
+        "--prefill-steps",
+        "8",
+        "64",
+        "--num-seqs",
+        "3",
+        "--batch-size",
+        "2",
+        "--min-input-len",
+        "5",
+        "--max-input-len",
+        "40",
+        "--min-output-len",
+        "2",
+        "--max-output-len",
+        "4",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--no-plot",
+        "--json-output",
+        str(out),
     ]
     proc = subprocess.run(
         [sys.executable, str(BENCHES / "chunked_prefill.py"), *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     assert "[2/2] prefill step" in proc.stderr  # one progress line per run
     report = json.loads(out.read_text())
-    for key in ("host", "mlx", "device", "dtype", "blas", "model", "arguments", "trace",
-                "runs", "budgets"):
+    for key in (
+        "host",
+        "mlx",
+        "device",
+        "dtype",
+        "blas",
+        "model",
+        "arguments",
+        "trace",
+        "runs",
+        "budgets",
+    ):
         assert key in report, key
     trace = report["trace"]
     assert trace["sha256"] == cp.make_trace(**TINY_TRACE_ARGS).sha256() == TINY_TRACE_SHA256

@@ -260,7 +260,8 @@ def test_update_and_fetch_pads_and_masks_each_row(impl):
     for row, slot in enumerate([0, 2, 3]):
         n = lengths[slot] + 1
         alone = impl.scaled_dot_product_attention_grouped(
-            q[row : row + 1], mx.array(keys[row : row + 1, :, :n]),
+            q[row : row + 1],
+            mx.array(keys[row : row + 1, :, :n]),
             mx.array(values[row : row + 1, :, :n]),
         )
         np.testing.assert_allclose(np.array(out[row : row + 1]), np.array(alone), atol=1e-5)
@@ -316,7 +317,9 @@ def test_model_with_per_row_offsets_equals_each_row_alone(impl, model, tokenizer
         for b, r in enumerate(rows):
             single = model(mx.array([[tokens[r]]]), offsets[r], alone_caches[r])
             np.testing.assert_allclose(
-                np.array(batched[b]), np.array(single[0]), atol=1e-4,
+                np.array(batched[b]),
+                np.array(single[0]),
+                atol=1e-4,
                 err_msg=f"decode step {step}, request {r}",
             )
             tokens[r] = mx.argmax(single[0, -1]).item()
@@ -332,7 +335,12 @@ def test_request_prefill_then_decode_alone(impl, model, tokenizer, oracle, paged
     expected = oracle(prompt)
     pools = model.create_kv_pools(page_size=4) if paged else None
     request = impl.Request(
-        model, tokenizer, prompt, WHOLE_PROMPT, prompt_idx=7, max_seq_len=MAX_SEQ_LEN,
+        model,
+        tokenizer,
+        prompt,
+        WHOLE_PROMPT,
+        prompt_idx=7,
+        max_seq_len=MAX_SEQ_LEN,
         pools=pools,
     )
     n = len(request.prompt_tokens)
@@ -367,8 +375,14 @@ def test_batched_equals_single_request(
     tracker = CacheTracker(monkeypatch, model)
     log = StepLog()
     out = impl.batch_generate(
-        model, tokenizer, PROMPTS, max_seq_len=MAX_SEQ_LEN, batch_size=batch_size,
-        prefill_step=WHOLE_PROMPT, pools=pools, on_step=log,
+        model,
+        tokenizer,
+        PROMPTS,
+        max_seq_len=MAX_SEQ_LEN,
+        batch_size=batch_size,
+        prefill_step=WHOLE_PROMPT,
+        pools=pools,
+        on_step=log,
     )
     assert [i for i, _ in out] == list(range(len(PROMPTS)))
     for i, text in out:
@@ -386,8 +400,13 @@ def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
     proxy = ModelProxy(model)
     log = StepLog()
     out = impl.batch_generate(
-        proxy, tokenizer, prompts, max_seq_len=MAX_SEQ_LEN, batch_size=2,
-        prefill_step=WHOLE_PROMPT, on_step=log,
+        proxy,
+        tokenizer,
+        prompts,
+        max_seq_len=MAX_SEQ_LEN,
+        batch_size=2,
+        prefill_step=WHOLE_PROMPT,
+        on_step=log,
     )
     assert out == [(i, tokenizer.decode(oracle(p))) for i, p in enumerate(prompts)]
     assert log.max_occupancy() == 2
@@ -417,8 +436,13 @@ def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer
     proxy = ModelProxy(model)
     log = StepLog()
     out = impl.batch_generate(
-        proxy, proxy_tokenizer, ["Hello"], max_seq_len=MAX_SEQ_LEN, batch_size=2,
-        prefill_step=WHOLE_PROMPT, on_step=log,
+        proxy,
+        proxy_tokenizer,
+        ["Hello"],
+        max_seq_len=MAX_SEQ_LEN,
+        batch_size=2,
+        prefill_step=WHOLE_PROMPT,
+        on_step=log,
     )
     assert out == [(0, tokenizer.decode([first]))]
     assert log.finished == {0: [first]}
@@ -429,8 +453,13 @@ def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer
     prompts = ["How are you today?", "Hello", "xyz", "def add(a, b):\n    return a + b"]
     log = StepLog()
     out = impl.batch_generate(
-        model, proxy_tokenizer, prompts, max_seq_len=MAX_SEQ_LEN, batch_size=2,
-        prefill_step=WHOLE_PROMPT, on_step=log,
+        model,
+        proxy_tokenizer,
+        prompts,
+        max_seq_len=MAX_SEQ_LEN,
+        batch_size=2,
+        prefill_step=WHOLE_PROMPT,
+        on_step=log,
     )
     assert out == [(i, tokenizer.decode(oracle(p, eos=eos))) for i, p in enumerate(prompts)]
     assert out[1] == (1, tokenizer.decode([first]))
@@ -446,8 +475,13 @@ def test_max_seq_len_bounds_prompt_plus_generated(impl, model, tokenizer, oracle
     prompts = [prompt_with_tokens(tokenizer, n) for n in lengths]
     log = StepLog()
     out = impl.batch_generate(
-        model, tokenizer, prompts, max_seq_len=max_seq_len, batch_size=3,
-        prefill_step=WHOLE_PROMPT, on_step=log,
+        model,
+        tokenizer,
+        prompts,
+        max_seq_len=max_seq_len,
+        batch_size=3,
+        prefill_step=WHOLE_PROMPT,
+        on_step=log,
     )
     assert [i for i, _ in out] == [0, 1, 2, 3]
     for i, (prompt, n) in enumerate(zip(prompts, lengths)):
@@ -486,8 +520,13 @@ def test_bad_prompt_raises_before_any_cache(impl, model, tokenizer, monkeypatch,
     tracker = CacheTracker(monkeypatch, model)
     with pytest.raises(ValueError):
         impl.batch_generate(
-            model, tokenizer, prompts, max_seq_len=MAX_SEQ_LEN, batch_size=2,
-            prefill_step=WHOLE_PROMPT, pools=pools,
+            model,
+            tokenizer,
+            prompts,
+            max_seq_len=MAX_SEQ_LEN,
+            batch_size=2,
+            prefill_step=WHOLE_PROMPT,
+            pools=pools,
         )
     assert tracker.created == [], "no request cache may exist when the input is refused"
     assert all(pool.num_allocations == 0 for pool in pools)
@@ -505,8 +544,12 @@ def test_no_prompts_returns_empty_list(impl, model, tokenizer, monkeypatch):
 
 @pytest.mark.parametrize(
     "fault",
-    [("model", "prefill", 3), ("model", "decode", 5), ("add_token", None, 1),
-     ("add_token", None, 6)],
+    [
+        ("model", "prefill", 3),
+        ("model", "decode", 5),
+        ("add_token", None, 1),
+        ("add_token", None, 6),
+    ],
     ids=["prefill", "decode", "detokenize-at-prefill", "detokenize-at-decode"],
 )
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
@@ -522,8 +565,14 @@ def test_fault_propagates_and_releases_everything(
     log = StepLog()
     with pytest.raises(Boom):
         impl.batch_generate(
-            proxy, tok, prompts, max_seq_len=MAX_SEQ_LEN, batch_size=2,
-            prefill_step=WHOLE_PROMPT, pools=pools, on_step=log,
+            proxy,
+            tok,
+            prompts,
+            max_seq_len=MAX_SEQ_LEN,
+            batch_size=2,
+            prefill_step=WHOLE_PROMPT,
+            pools=pools,
+            on_step=log,
         )
     assert tracker.created, "the fault should hit after some request caches exist"
     tracker.assert_all_released()
