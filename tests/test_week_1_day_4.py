@@ -108,7 +108,10 @@ def test_silu_keeps_the_dtype(impl):
     y = impl.silu(x)
     assert y.dtype == mx.bfloat16
     np.testing.assert_allclose(
-        np.array(y.astype(mx.float32)), np.array(nn.silu(x).astype(mx.float32)), rtol=2e-2, atol=1e-2
+        np.array(y.astype(mx.float32)),
+        np.array(nn.silu(x).astype(mx.float32)),
+        rtol=2e-2,
+        atol=1e-2,
     )
 
 

@@ -69,7 +69,9 @@ def _tokens(ckpt, texts):
 
 
 def _close(actual, expected, what):
-    assert actual.shape == expected.shape, f"{what}: shape {actual.shape}, expected {expected.shape}"
+    assert actual.shape == expected.shape, (
+        f"{what}: shape {actual.shape}, expected {expected.shape}"
+    )
     np.testing.assert_allclose(
         np.array(actual), np.array(expected), rtol=RTOL, atol=ATOL, err_msg=what
     )
@@ -144,7 +146,10 @@ def test_model_prefix_logits_and_shape_checks(impl, tiny_gqa_ckpt):
 
     c = ckpt.config
     wrong = {
-        "model.layers.1.self_attn.k_proj.weight": (c.num_attention_heads * c.head_dim, c.hidden_size),
+        "model.layers.1.self_attn.k_proj.weight": (
+            c.num_attention_heads * c.head_dim,
+            c.hidden_size,
+        ),
         "model.layers.0.self_attn.q_norm.weight": (c.hidden_size,),
         "model.norm.weight": (c.hidden_size + 1,),
         "lm_head.weight": (c.vocab_size - 1, c.hidden_size),

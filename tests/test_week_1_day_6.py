@@ -25,12 +25,14 @@ def test_greedy_generation_matches_mlx_lm(impl, tiny_ckpt):
     """32 greedy tokens, each step recomputing the whole sequence, equal mlx-lm's tokens."""
     prompt = _chat_prompt(tiny_ckpt)
     model = impl.Qwen3ModelWeek1(tiny_ckpt)
-    tokens = list(impl.simple_generate(model, prompt, max_tokens=32))
+    argmax = lambda logits: mx.argmax(logits, axis=-1)  # Task 2's make_sampler() not needed yet
+    tokens = list(impl.simple_generate(model, prompt, max_tokens=32, sampler=argmax))
     expected = mlx_lm_greedy(tiny_ckpt, prompt, 32)
     assert [int(t) for t in tokens] == expected
 
 
 def test_generation_stops_at_eos_and_at_max_tokens(impl, tiny_untied_ckpt):
+    """Without a sampler the loop is greedy (make_sampler() with temperature 0)."""
     ckpt = tiny_untied_ckpt
     prompt = _chat_prompt(ckpt, "Once upon a time")
     free = mlx_lm_greedy(ckpt, prompt, 12)
