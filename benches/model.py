@@ -546,6 +546,7 @@ def measure_decode(impls, points, repeats, warmup, steps, rng, model, cfg, dtype
                 "tokens_per_s": _stats([batch / t for t in ts]),
                 "gbs": _stats(gbs),
                 "fraction_of_bandwidth_ceiling": median(gbs) / ceil["bandwidth_ceiling_gbs"],
+                "fraction_of_gemv": median(gbs) / ceil["gemv_gbs"]["max"],
             }
         row["ratio_over_mlx_lm"] = _ratios(row, "ms_per_step", higher_is_better=False)
         rows.append(row)
@@ -750,7 +751,8 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"{report['mlx']['version']}, mlx-lm {report['mlx_lm_version']}; "
         f"{report['host']['cpu_count']} CPUs ({report['host']['machine']}). Median "
         f"(min-max) of {s['repeats']} repeats ({s['long_repeats']} for prompts of "
-        f"{s['long_from']}+ tokens); decode: {s['decode_steps']} timed steps per repeat.",
+        f"{s['long_from']}+ tokens); decode: {s['decode_steps']} timed steps per repeat. "
+        f"Total runtime {report['runtime_s'] / 60:.1f} min.",
     ]
     ab = report.get("ablation")
     if ab:
@@ -926,26 +928,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             "OpenBLAS: `sudo apt-get install libopenblas0-pthread` (see the Performance "
             "appendix), or expect a long run")
 
-    log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
-    ceilings = measure_ceilings(args.matmul_size, args.copy_mb, args.ceiling_repeats, dtype)
-
     t = time.perf_counter()
     ckpt = model.load(args.dtype)
     cfg = ckpt.config
     label = args.solution
-    impls = {
-        label: RefImpl(SOLUTIONS[args.solution], ckpt, longest + 16, args.batch_cache),
-        MLX_LM: MlxLmImpl(ckpt),
-    }
+    try:
+        impls = {
+            label: RefImpl(SOLUTIONS[args.solution], ckpt, longest + 16, args.batch_cache),
+            MLX_LM: MlxLmImpl(ckpt),
+        }
+        rng = random.Random(args.seed)
+        agreement = check_agreement(impls, rng, model)
+    except NotImplementedError as e:
+        log(f"error: {SOLUTIONS[args.solution]} is not complete yet: {e}")
+        return 1
     log(f"model {model.name}: {model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
         f"parameters ({'random' if model.random_weights else 'checkpoint'} weights), "
         f"{args.dtype} on {device}, ready in {time.perf_counter() - t:.1f} s")
 
-    rng = random.Random(args.seed)
-    agreement = check_agreement(impls, rng, model)
     log(f"same 16 tokens through both: max |logit diff| {agreement[label]['max_abs_diff']:.2e} "
         f"(largest logit {agreement['max_abs_logit_mlx_lm']:.2f}), same argmax: "
         f"{agreement[label]['same_argmax']}")
+
+    log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
+    ceilings = measure_ceilings(args.matmul_size, args.copy_mb, args.ceiling_repeats, dtype)
 
     prefill = measure_prefill(impls, args.prefill_lens, args.repeats, args.long_repeats,
                               args.long_from, rng, model, cfg, ceilings)

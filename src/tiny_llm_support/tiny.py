@@ -23,7 +23,7 @@ TINY_DEFAULTS: dict[str, Any] = {
     "num_key_value_heads": 2,
     "head_dim": 32,  # deliberately not hidden_size // num_attention_heads
     "rms_norm_eps": 1e-6,
-    "rope_theta": 10000.0,
+    "rope_theta": 1000000.0,
     "max_position_embeddings": 2048,
     "tie_word_embeddings": True,
     "torch_dtype": "float32",
