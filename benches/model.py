@@ -101,10 +101,11 @@ def log(message: str) -> None:
 def reexec_with_openblas(no_openblas: bool) -> None:
     """Replace this process by the same command with Debian's OpenBLAS preloaded, once.
 
-    Nothing happens with --no-openblas, off Linux, without OpenBLAS installed, when it is
-    already loaded, or in the re-executed process itself (the guard variable stops loops).
+    Nothing happens with --no-openblas or TINY_LLM_NO_OPENBLAS=1 (as for the demo), off
+    Linux, without OpenBLAS installed, when it is already loaded, or in the re-executed
+    process itself (the guard variable stops loops).
     """
-    if no_openblas or os.environ.get(REEXEC_GUARD):
+    if no_openblas or os.environ.get("TINY_LLM_NO_OPENBLAS") or os.environ.get(REEXEC_GUARD):
         return
     env, lib = openblas_preload_env()
     if lib is None:  # not Linux, not installed, or already running on it
@@ -746,7 +747,7 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"{c['matmul_bfloat16_gflops']['max']:.1f} GFLOP/s; copy {c['copy_gbs']['max']:.1f} "
         f"GB/s, gemv {c['gemv_gbs']['max']:.1f} GB/s (bandwidth ceiling "
         f"{c['bandwidth_ceiling_gbs']:.1f} GB/s). Model {m['name']}, {m['num_layers']} layers, "
-        f"{m['parameters'] / 1e6:.0f}M parameters{', random weights' if m['random_weights'] else ''}"
+        f"{m['parameters'] / 1e6:.1f}M parameters{', random weights' if m['random_weights'] else ''}"
         f", {report['dtype']} on {report['device']}; BLAS {report['blas']['blas']}; MLX "
         f"{report['mlx']['version']}, mlx-lm {report['mlx_lm_version']}; "
         f"{report['host']['cpu_count']} CPUs ({report['host']['machine']}). Median "
@@ -836,7 +837,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "measurements)")
     w.add_argument("--decode-batches", type=positive_int, nargs="+", default=[1, 4],
                    metavar="B", help="rows decoded together")
-    w.add_argument("--decode-steps", type=positive_int, default=8,
+    w.add_argument("--decode-steps", type=positive_int, default=6,
                    help="timed decode steps per repeat")
     w.add_argument("--decode-warmup", type=non_negative_int, default=1,
                    help="untimed decode steps before them (mlx-lm grows its cache in the first)")
@@ -977,7 +978,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "blas": {**blas, "reexecuted_with_openblas": bool(os.environ.get(REEXEC_GUARD)),
                  "no_openblas": args.no_openblas},
         "env": {k: os.environ.get(k) for k in ("LD_PRELOAD", "OMP_NUM_THREADS",
-                                               "OPENBLAS_NUM_THREADS")},
+                                               "OPENBLAS_NUM_THREADS", "TINY_LLM_NO_OPENBLAS")},
         "device": device,
         "dtype": args.dtype,
         "solution": SOLUTIONS[args.solution],
