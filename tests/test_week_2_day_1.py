@@ -128,13 +128,16 @@ def test_offsets_advance_by_rows_appended(impl, tiny_ckpt):
     tokens = prompt_tokens(tiny_ckpt)
     model(mx.array([tokens]), 0, cache)
     expected = len(tokens)
+    kv_shape = (1, c.num_key_value_heads, 1, c.head_dim)
     for step in range(4):
         for layer_cache in cache:
             assert layer_cache.offset == expected, f"after {step} decode steps"
-            assert layer_cache.keys.shape == (1, c.num_key_value_heads, expected, c.head_dim)
-            assert layer_cache.values.shape == layer_cache.keys.shape
         model(mx.array([[tokens[step]]]), expected, cache)
         expected += 1
+    # whatever the storage (concatenated arrays or preallocated buffers), the cache returns
+    # exactly `offset` rows
+    keys, values, _ = cache[0].update_and_fetch(mx.zeros(kv_shape), mx.zeros(kv_shape))
+    assert keys.shape == values.shape == (1, c.num_key_value_heads, expected + 1, c.head_dim)
 
 
 def test_logits_to_keep_returns_the_tail(impl, tiny_ckpt):

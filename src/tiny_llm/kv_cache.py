@@ -31,7 +31,14 @@ class TinyKvCache:
 
 
 class TinyKvFullCache(TinyKvCache):
-    """A dense cache: keys and values [B, H, S, D], grown by appending along S."""
+    """A dense, append-only cache.
+
+    keys/values are [B, H, capacity, D] buffers; the first `offset` positions hold the tokens.
+    Capacity grows in blocks of `step` positions, so an append writes only its own rows
+    instead of copying the whole cache (capacity is kept apart from length).
+    """
+
+    step = 256
 
     def __init__(self):
         self.keys: mx.array | None = None
@@ -47,6 +54,16 @@ class TinyKvFullCache(TinyKvCache):
     ) -> tuple[mx.array, mx.array, None]:
         # key/value [B, H, L, D]
         raise NotImplementedError("Week 2 Day 1, Task 1: append to the dense KV cache")
+
+    def _grow(self, needed: int, like: mx.array) -> None:
+        """New buffers with room for `needed` positions, rounded up to a whole step."""
+        b, h, _, d = like.shape
+        shape = (b, h, -(-needed // self.step) * self.step, d)
+        keys, values = mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)
+        if self.keys is not None:
+            keys[:, :, : self._offset, :] = self.keys[:, :, : self._offset, :]
+            values[:, :, : self._offset, :] = self.values[:, :, : self._offset, :]
+        self.keys, self.values = keys, values
 
     def materialize(self) -> None:
         raise NotImplementedError("Week 3 Day 2, Task 3: evaluate the dense cache's key/value arrays")

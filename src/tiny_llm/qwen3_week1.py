@@ -39,6 +39,7 @@ class Qwen3MultiHeadAttention:
         max_seq_len: int = 32768,
         theta: float = 1000000.0,
         rms_norm_eps: float = 1e-6,
+        rope: RoPE | None = None,
     ):
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
@@ -46,7 +47,8 @@ class Qwen3MultiHeadAttention:
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm = RMSNorm(head_dim, q_norm, rms_norm_eps)
         self.k_norm = RMSNorm(head_dim, k_norm, rms_norm_eps)
-        self.rope = RoPE(head_dim, max_seq_len, theta)
+        # a model passes one RoPE to all its layers: the tables depend only on the positions
+        self.rope = rope or RoPE(head_dim, max_seq_len, theta)
 
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
         raise NotImplementedError("Week 1 Day 5, Task 1: implement Qwen3 attention (QK-norm, RoPE, GQA)")
@@ -72,7 +74,7 @@ def checked_weights(ckpt: Checkpoint) -> dict[str, mx.array]:
 
 
 def build_block(
-    c: Qwen3Config, w: dict[str, mx.array], i: int, attention_cls, max_seq_len: int
+    c: Qwen3Config, w: dict[str, mx.array], i: int, attention_cls, rope: RoPE
 ) -> Qwen3TransformerBlock:
     """Layer i from checked weights, with the given attention class (with or without a cache)."""
     p = f"model.layers.{i}."
@@ -87,9 +89,10 @@ def build_block(
         w[p + "self_attn.o_proj.weight"],
         w[p + "self_attn.q_norm.weight"],
         w[p + "self_attn.k_norm.weight"],
-        max_seq_len=max_seq_len,
+        max_seq_len=rope.seq_len,
         theta=c.rope_theta,
         rms_norm_eps=c.rms_norm_eps,
+        rope=rope,
     )
     mlp = Qwen3MLP(
         c.hidden_size,
@@ -119,9 +122,9 @@ class Qwen3ModelWeek1:
         self.max_seq_len = max_seq_len or c.max_position_embeddings
         self.embed_tokens = w["model.embed_tokens.weight"]  # [V, E]
         self.dtype = self.embed_tokens.dtype
+        rope = RoPE(c.head_dim, self.max_seq_len, c.rope_theta)
         self.layers = [
-            build_block(c, w, i, self.attention_cls, self.max_seq_len)
-            for i in range(c.num_hidden_layers)
+            build_block(c, w, i, self.attention_cls, rope) for i in range(c.num_hidden_layers)
         ]
         self.norm = RMSNorm(c.hidden_size, w["model.norm.weight"], c.rms_norm_eps)
         self.lm_head = w["lm_head.weight"]  # [V, E], the embedding itself when tied

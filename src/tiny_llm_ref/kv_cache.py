@@ -31,7 +31,14 @@ class TinyKvCache:
 
 
 class TinyKvFullCache(TinyKvCache):
-    """A dense cache: keys and values [B, H, S, D], grown by appending along S."""
+    """A dense, append-only cache.
+
+    keys/values are [B, H, capacity, D] buffers; the first `offset` positions hold the tokens.
+    Capacity grows in blocks of `step` positions, so an append writes only its own rows
+    instead of copying the whole cache (capacity is kept apart from length).
+    """
+
+    step = 256
 
     def __init__(self):
         self.keys: mx.array | None = None
@@ -48,15 +55,27 @@ class TinyKvFullCache(TinyKvCache):
         # key/value [B, H, L, D]
         if key.shape != value.shape:
             raise ValueError(f"key {key.shape} and value {value.shape} differ in shape")
-        if self.keys is None:
-            self.keys, self.values = key, value
-        else:
-            if key.shape[:2] != self.keys.shape[:2] or key.shape[3] != self.keys.shape[3]:
-                raise ValueError(f"cannot append {key.shape} to a cache of {self.keys.shape}")
-            self.keys = mx.concatenate([self.keys, key], axis=2)
-            self.values = mx.concatenate([self.values, value], axis=2)
-        self._offset += key.shape[2]
-        return self.keys, self.values, None  # [B, H, S, D] each
+        if self.keys is not None:
+            b, h, _, d = self.keys.shape
+            if (key.shape[0], key.shape[1], key.shape[3]) != (b, h, d):
+                raise ValueError(f"cannot append {key.shape} to a cache of [{b}, {h}, S, {d}]")
+        start, end = self._offset, self._offset + key.shape[2]
+        if self.keys is None or end > self.keys.shape[2]:
+            self._grow(end, key)
+        self.keys[:, :, start:end, :] = key
+        self.values[:, :, start:end, :] = value
+        self._offset = end
+        return self.keys[:, :, :end, :], self.values[:, :, :end, :], None  # [B, H, S, D]
+
+    def _grow(self, needed: int, like: mx.array) -> None:
+        """New buffers with room for `needed` positions, rounded up to a whole step."""
+        b, h, _, d = like.shape
+        shape = (b, h, -(-needed // self.step) * self.step, d)
+        keys, values = mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)
+        if self.keys is not None:
+            keys[:, :, : self._offset, :] = self.keys[:, :, : self._offset, :]
+            values[:, :, : self._offset, :] = self.values[:, :, : self._offset, :]
+        self.keys, self.values = keys, values
 
     def materialize(self) -> None:
         if self.keys is not None:
