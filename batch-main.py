@@ -27,7 +27,6 @@ from typing import Any
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
 MIN_ANSWER_TOKENS = 8  # a prompt is only run when max_seq_len leaves at least this much room
 FRAME_INTERVAL_S = 1 / 10  # the live view redraws at most this often
-REEXEC_MARK = "TINY_LLM_OPENBLAS_PRELOADED"
 SUMMARY_TITLE = (
     "Per request (all arrive at t = 0): prompt tokens, prefill chunks, wait before its first "
     "chunk, time to first token, tokens generated, decode tokens/s, longest gap between two "
@@ -696,28 +695,6 @@ def print_summary(
     )
 
 
-def preload_openblas() -> None:
-    """On Linux, run this script again with Debian's OpenBLAS preloaded when it is installed
-    and MLX is on its bundled reference BLAS (about 35x faster float32 matmul on the CPU).
-    TINY_LLM_NO_OPENBLAS=1 turns this off."""
-    if not sys.platform.startswith("linux") or os.environ.get("TINY_LLM_NO_OPENBLAS"):
-        return
-    if os.environ.get(REEXEC_MARK):  # already tried once: do not loop
-        return
-    from tiny_llm_support import blas_info, openblas_path
-
-    lib = openblas_path()
-    if lib is None or blas_info()["blas"].startswith("openblas"):
-        return
-    env = dict(os.environ)
-    current = env.get("LD_PRELOAD")
-    env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
-    env[REEXEC_MARK] = "1"
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
@@ -731,5 +708,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    preload_openblas()
+    from tiny_llm_support import reexec_with_openblas
+
+    reexec_with_openblas()
     sys.exit(main())

@@ -14,12 +14,10 @@ from __future__ import annotations
 import argparse
 import importlib
 import itertools
-import os
 import sys
 import time
 
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
-REEXEC_MARK = "TINY_LLM_OPENBLAS_PRELOADED"
 # a random model writes any byte; print control characters (escape codes...) as U+FFFD
 CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
 
@@ -130,24 +128,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def preload_openblas() -> None:
-    """On Linux, restart with Debian's OpenBLAS preloaded when it is installed (about 35x faster
-    float32 matmul than the BLAS bundled in mlx[cpu]). TINY_LLM_NO_OPENBLAS=1 turns this off."""
-    if not sys.platform.startswith("linux") or os.environ.get("TINY_LLM_NO_OPENBLAS"):
-        return
-    if os.environ.get(REEXEC_MARK):
-        return
-    from tiny_llm_support import blas_info, openblas_path
-
-    lib = openblas_path()
-    if lib is None or blas_info()["blas"].startswith("openblas"):
-        return
-    preload = ":".join(filter(None, [lib, os.environ.get("LD_PRELOAD")]))
-    env = {**os.environ, "LD_PRELOAD": preload, REEXEC_MARK: "1"}
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
-
-
 if __name__ == "__main__":
     arguments = parse_args()
-    preload_openblas()
+    from tiny_llm_support import reexec_with_openblas
+
+    reexec_with_openblas()
     sys.exit(run(arguments))

@@ -34,7 +34,7 @@ from tiny_llm_support import (
     expected_shapes,
     load_checkpoint,
     load_tokenizer,
-    openblas_path,
+    openblas_preload_env,
     resolve_model,
 )
 
@@ -357,24 +357,6 @@ def mlx_info() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     return info
-
-
-def openblas_preload_env(env: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
-    """The environment for a child process, with Debian's OpenBLAS preloaded on Linux.
-
-    Returns (env, the OpenBLAS path preloaded, or None where nothing was added: not Linux,
-    not installed, or this process already runs on it). LD_PRELOAD entries already there
-    are kept.
-    """
-    env = dict(os.environ if env is None else env)
-    lib = openblas_path()
-    current = env.get("LD_PRELOAD", "")
-    if lib is None or blas_info()["blas"].startswith("openblas"):
-        return env, None  # children inherit whatever this process runs on
-    if lib in current.replace(" ", ":").split(":"):
-        return env, lib
-    env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
-    return env, lib
 
 
 # --- numbers -----------------------------------------------------------------------------

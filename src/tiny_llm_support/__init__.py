@@ -3,7 +3,15 @@ synthetic tiny checkpoints, model names, and device / BLAS set-up."""
 
 from .checkpoint import Checkpoint, expected_shapes, load_checkpoint
 from .config import Qwen3Config
-from .device import OPENBLAS_HINT, blas_info, choose_device, gpu_available, openblas_path
+from .device import (
+    OPENBLAS_HINT,
+    blas_info,
+    choose_device,
+    gpu_available,
+    openblas_path,
+    openblas_preload_env,
+    reexec_with_openblas,
+)
 from .models import SHORTCUTS, ModelNotAvailableError, resolve_model
 from .tiny import make_tiny_checkpoint
 from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
@@ -25,4 +33,6 @@ __all__ = [
     "blas_info",
     "openblas_path",
     "OPENBLAS_HINT",
+    "openblas_preload_env",
+    "reexec_with_openblas",
 ]

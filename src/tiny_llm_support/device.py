@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 from pathlib import Path
@@ -76,3 +77,43 @@ def _openblas_loaded() -> bool:
         return False
     libs = {line.split()[-1] for line in maps if "openblas" in line}
     return any("scipy_openblas" not in lib and "numpy" not in lib for lib in libs)
+
+
+NO_OPENBLAS_ENV = "TINY_LLM_NO_OPENBLAS"  # set to 1 to keep the bundled BLAS
+_REEXEC_MARK = "TINY_LLM_OPENBLAS_PRELOADED"
+
+
+def openblas_preload_env(env: dict[str, str] | None = None) -> tuple[dict[str, str], str | None]:
+    """A copy of the environment with Debian's OpenBLAS preloaded on Linux.
+
+    Returns (env, the OpenBLAS path preloaded, or None where nothing was added: not Linux,
+    not installed, or this process already runs on it). LD_PRELOAD entries already there
+    are kept.
+    """
+    env = dict(os.environ if env is None else env)
+    lib = openblas_path()
+    current = env.get("LD_PRELOAD", "")
+    if lib is None or blas_info()["blas"].startswith("openblas"):
+        return env, None  # children inherit whatever this process runs on
+    if lib in current.replace(" ", ":").split(":"):
+        return env, lib
+    env["LD_PRELOAD"] = f"{lib}:{current}" if current else lib
+    return env, lib
+
+
+def reexec_with_openblas() -> None:
+    """Restart this script once with Debian's OpenBLAS preloaded, where that helps.
+
+    On Linux the mlx[cpu] wheel runs float32 matmul on a bundled reference BLAS, about 35x
+    slower than OpenBLAS. Nothing happens off Linux, without OpenBLAS installed, when it is
+    already loaded, with TINY_LLM_NO_OPENBLAS=1, or in the restarted process itself.
+    """
+    if os.environ.get(NO_OPENBLAS_ENV) or os.environ.get(_REEXEC_MARK):
+        return
+    env, lib = openblas_preload_env()
+    if lib is None:
+        return
+    env[_REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
