@@ -8,8 +8,8 @@ very same arrays to two implementations:
              TinyKvFullCache; a decode batch of B rows uses one dense cache of batch B per
              layer whose rows all hold the same context (--batch-cache batching: a
              BatchingKvCache over B one-row dense caches instead)
-    mlx-lm   mlx_lm.models.qwen3.Model holding the same arrays, with its own KV cache from
-             mlx_lm.models.cache.make_prompt_cache (KVCache: preallocated, slice updates)
+    mlx-lm   mlx_lm.models.qwen3.Model holding the same arrays, with its own KVCache from
+             mlx_lm.models.cache.make_prompt_cache
 
 Measured, interleaved between the two (repeat 1 runs ref then mlx-lm, repeat 2 mlx-lm then
 ref, and so on, so a machine that slowly speeds up or slows down favours neither):
@@ -26,15 +26,16 @@ GB/s and the GB/s of one large matrix-vector product. Prefill is reported as a f
 the matmul ceiling (model FLOPs / time), decode as a fraction of the bandwidth ceiling
 (bytes of weights and KV one step must read / time).
 
---ablate adds two ablations. Single operations at the model's shapes, plain ops (the course)
-against mx.fast / mlx-lm, each timed as one graph of several calls like in a forward pass.
-And whole-model variants of the course's model with one suspect replaced at a time (mlx-lm's
-preallocated cache, mx.fast.scaled_dot_product_attention, mx.fast.rms_norm + mx.fast.rope,
-all three), timed interleaved with the plain model and mlx-lm.
+--ablate adds two ablations. Single operations at the model's shapes, the course's against
+mx.fast / mlx-lm, each timed as one graph of several calls as in a forward pass (and the KV
+cache append: the course's cache and a concatenating one against mlx-lm's KVCache). And the
+course's model with mx.fast.scaled_dot_product_attention, with mx.fast.rms_norm + mx.fast.rope,
+and with both, timed interleaved with the plain model and mlx-lm.
 
 On Linux the mlx[cpu] wheel runs matmuls on its bundled reference BLAS; when Debian's
-OpenBLAS is installed the script re-executes itself with it in LD_PRELOAD (--no-openblas
-keeps the bundled one). The JSON records which BLAS ran.
+OpenBLAS is installed the script restarts itself with it preloaded
+(tiny_llm_support.reexec_with_openblas; --no-openblas keeps the bundled one). The JSON
+records which BLAS ran.
 
     pdm run bench-model                               # the full run: a few minutes
     pdm run bench-model --ablate                      # and the ablations: a few more
@@ -70,50 +71,30 @@ from common import (  # noqa: E402
     host_info,
     median,
     mlx_info,
-    openblas_preload_env,
     resolve_bench_model,
     write_json,
 )
 
-from tiny_llm_support import choose_device, expected_shapes, gpu_available  # noqa: E402
+from tiny_llm_support import (  # noqa: E402
+    choose_device,
+    expected_shapes,
+    gpu_available,
+    reexec_with_openblas,
+)
 
-REEXEC_GUARD = "TINY_LLM_BENCH_MODEL_REEXEC"
-STARTED_AT = "TINY_LLM_BENCH_MODEL_STARTED"
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
 MLX_LM = "mlx-lm"
-# Whole-model ablation variants: (suffix, preallocated cache, fast attention, fast norm+rope)
+# Whole-model ablation variants: (suffix, fast attention, fast norm + rope)
 VARIANTS = (
-    ("+prealloc-cache", True, False, False),
-    ("+fast-attention", False, True, False),
-    ("+fast-norm-rope", False, False, True),
-    ("+all-three", True, True, True),
+    ("+fast-attention", True, False),
+    ("+fast-norm-rope", False, True),
+    ("+all-fast", True, True),
 )
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-# --- BLAS --------------------------------------------------------------------------------
-
-
-def reexec_with_openblas(no_openblas: bool) -> None:
-    """Replace this process by the same command with Debian's OpenBLAS preloaded, once.
-
-    Nothing happens with --no-openblas or TINY_LLM_NO_OPENBLAS=1 (as for the demo), off
-    Linux, without OpenBLAS installed, when it is already loaded, or in the re-executed
-    process itself (the guard variable stops loops).
-    """
-    if no_openblas or os.environ.get("TINY_LLM_NO_OPENBLAS") or os.environ.get(REEXEC_GUARD):
-        return
-    env, lib = openblas_preload_env()
-    if lib is None:  # not Linux, not installed, or already running on it
-        return
-    env[REEXEC_GUARD] = "1"
-    log(f"re-running with OpenBLAS preloaded: LD_PRELOAD={env['LD_PRELOAD']}")
-    sys.stdout.flush()
-    os.execve(sys.executable, list(sys.orig_argv), env)
 
 
 # --- the machine's limits ----------------------------------------------------------------
@@ -137,11 +118,15 @@ def _sample(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]
     return times
 
 
+def _stats(values: Sequence[float]) -> dict[str, Any]:
+    return {"median": median(values), "min": min(values), "max": max(values),
+            "values": list(values)}
+
+
 def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
     """Matmul GFLOP/s (fp32, bf16, and fp16 if that is the dtype), copy and gemv GB/s."""
     out: dict[str, Any] = {"matmul_size": size}
     ka, kb = mx.random.split(mx.random.key(1))
-    flops = 2.0 * size**3
     for name, dt in DTYPES.items():
         if name == "float16" and dt != dtype:
             continue
@@ -149,7 +134,7 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
         b = mx.random.uniform(-1, 1, (size, size), key=kb).astype(dt)
         mx.eval(a, b)
         times = _sample(lambda a=a, b=b: a @ b, repeats, budget_s=5.0)
-        out[f"matmul_{name}_gflops"] = _stats([flops / t / 1e9 for t in times])
+        out[f"matmul_{name}_gflops"] = _stats([2.0 * size**3 / t / 1e9 for t in times])
         log(f"  matmul {size}x{size} {name}: {out[f'matmul_{name}_gflops']['max']:.1f} GFLOP/s "
             f"(best of {len(times)})")
 
@@ -157,10 +142,9 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
     # output would come from a fresh mmap every time on Linux, and the page faults of first
     # touching it would be timed as well; that number is recorded separately.
     piece = 2 * 1024 * 1024
-    pieces = max(1, copy_mb * 1024 * 1024 // 4 // piece)
-    src = mx.random.uniform(-1, 1, (pieces, piece), key=ka)
+    src = mx.random.uniform(-1, 1, (max(1, copy_mb * 1024 * 1024 // 4 // piece), piece), key=ka)
     mx.eval(src)
-    views = [src[i] for i in range(pieces)]  # slices of a contiguous array: no copies
+    views = [src[i] for i in range(src.shape[0])]  # slices of a contiguous array: no copies
 
     def copy_all() -> float:
         t0 = time.perf_counter()
@@ -197,39 +181,6 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
 # --- the implementations -----------------------------------------------------------------
 
 
-class PreallocatedKvCache:
-    """mlx-lm's KVCache (storage grown 256 positions at a time, written with slice updates)
-    behind the course's cache interface: update_and_fetch -> (keys, values, None)."""
-
-    def __init__(self):
-        from mlx_lm.models.cache import KVCache
-
-        self.inner = KVCache()
-
-    @property
-    def offset(self) -> int:
-        return self.inner.offset
-
-    @property
-    def keys(self) -> mx.array | None:
-        return self.inner.keys
-
-    @property
-    def values(self) -> mx.array | None:
-        return self.inner.values
-
-    def update_and_fetch(self, key: mx.array, value: mx.array):
-        keys, values = self.inner.update_and_fetch(key, value)  # [B, H_kv, S, D]
-        return keys, values, None
-
-    def materialize(self) -> None:
-        if self.inner.keys is not None:
-            mx.eval(self.inner.keys, self.inner.values)
-
-    def release(self) -> None:
-        self.__init__()
-
-
 class FastRMSNorm:
     """mx.fast.rms_norm with the weight and eps of a course RMSNorm."""
 
@@ -259,16 +210,31 @@ def fast_attention(query, key, value, scale=None, mask=None):
     return mx.fast.scaled_dot_product_attention(query, key, value, scale=scale, mask=mask)
 
 
+class ConcatKvCache:
+    """A dense cache done the obvious way: every append concatenates, so it copies everything
+    cached so far (what TinyKvFullCache's preallocation avoids)."""
+
+    def __init__(self):
+        self.keys: mx.array | None = None
+        self.values: mx.array | None = None
+
+    def update_and_fetch(self, key: mx.array, value: mx.array):
+        if self.keys is not None:
+            key = mx.concatenate([self.keys, key], axis=2)
+            value = mx.concatenate([self.values, value], axis=2)
+        self.keys, self.values = key, value
+        return key, value, None
+
+
 class RefImpl:
     """The course's model and caches (tiny_llm_ref, or the student's tiny_llm); for the
-    ablation, with some parts swapped for mlx-lm's cache or mx.fast operations."""
+    ablation, with attention or norms and RoPE swapped for mx.fast operations."""
 
-    def __init__(self, package: str, ckpt, max_seq_len: int, batch_cache: str,
-                 prealloc: bool = False, fast_attn: bool = False, fast_norm_rope: bool = False):
+    def __init__(self, package: str, ckpt, batch_cache: str, fast_attn: bool = False,
+                 fast_norm_rope: bool = False):
         self.pkg = importlib.import_module(package)
-        self.model = self.pkg.Qwen3Model(ckpt, max_seq_len=max_seq_len)
+        self.model = self.pkg.Qwen3Model(ckpt)
         self.batch_cache = batch_cache
-        self.prealloc = prealloc
         self.attention_module = None
         if fast_attn:
             module = sys.modules[type(self.model.layers[0].self_attn).__module__]
@@ -277,39 +243,30 @@ class RefImpl:
                                    "scaled_dot_product_attention_grouped: cannot swap it")
             self.attention_module = module
         if fast_norm_rope:
-            theta = ckpt.config.rope_theta
+            rope = FastRoPE(self.model.layers[0].self_attn.rope, ckpt.config.rope_theta)
             for layer in self.model.layers:
                 attn = layer.self_attn
                 layer.input_layernorm = FastRMSNorm(layer.input_layernorm)
                 layer.post_attention_layernorm = FastRMSNorm(layer.post_attention_layernorm)
                 attn.q_norm, attn.k_norm = FastRMSNorm(attn.q_norm), FastRMSNorm(attn.k_norm)
-                attn.rope = FastRoPE(attn.rope, theta)
+                attn.rope = rope
             self.model.norm = FastRMSNorm(self.model.norm)
 
     @contextlib.contextmanager
     def _swapped(self) -> Iterator[None]:
         """While the graph is built, the attention module calls fast_attention instead."""
-        if self.attention_module is None:
-            yield
-            return
-        name = "scaled_dot_product_attention_grouped"
-        plain = getattr(self.attention_module, name)
-        setattr(self.attention_module, name, fast_attention)
+        module, name = self.attention_module, "scaled_dot_product_attention_grouped"
+        plain = getattr(module, name, None)
+        if module is not None:
+            setattr(module, name, fast_attention)
         try:
             yield
         finally:
-            setattr(self.attention_module, name, plain)
-
-    def _layer_cache(self):
-        return PreallocatedKvCache() if self.prealloc else self.pkg.TinyKvFullCache()
-
-    def _caches(self) -> list:
-        if self.prealloc:
-            return [self._layer_cache() for _ in range(self.model.num_hidden_layers)]
-        return self.model.create_kv_cache()
+            if module is not None:
+                setattr(module, name, plain)
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
-        cache = self._caches()
+        cache = self.model.create_kv_cache()
         with self._swapped():
             logits = self.model(tokens, 0, cache, logits_to_keep=1)  # [1, 1, V]
         return logits, cache
@@ -321,12 +278,12 @@ class RefImpl:
             for k, v in kv:
                 layer = self.pkg.BatchingKvCache(b)
                 for row in range(b):
-                    row_cache = self._layer_cache()
+                    row_cache = self.pkg.TinyKvFullCache()
                     row_cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
                     layer.add_request(row_cache, row)
                 caches.append(layer)
             return caches, [s] * b
-        caches = self._caches()
+        caches = self.model.create_kv_cache()
         for c, (k, v) in zip(caches, kv):
             c.update_and_fetch(k, v)  # [B, H_kv, S, D]: the state a prefill leaves
         return caches, s
@@ -426,11 +383,6 @@ def decode_bytes(cfg, batch: int, context: int, itemsize: int) -> float:
 # --- the measurements --------------------------------------------------------------------
 
 
-def _stats(values: Sequence[float]) -> dict[str, Any]:
-    return {"median": median(values), "min": min(values), "max": max(values),
-            "values": list(values)}
-
-
 def _order(repeat: int, names: Sequence[str]) -> list[str]:
     return list(names) if repeat % 2 == 0 else list(names)[::-1]
 
@@ -446,21 +398,18 @@ def random_tokens(rng: random.Random, model: BenchModel, shape: tuple[int, int])
     return mx.array(ids, dtype=mx.int32).reshape(shape)
 
 
+def _ratios(row: dict[str, Any], metric: str, higher_is_better: bool) -> dict[str, float]:
+    """Throughput of each implementation over mlx-lm's: above 1, it is faster than mlx-lm."""
+    base = row["impls"][MLX_LM][metric]["median"]
+    return {name: m[metric]["median"] / base if higher_is_better else base / m[metric]["median"]
+            for name, m in row["impls"].items() if name != MLX_LM}
+
+
 def run_prefill(impl, tokens: mx.array) -> float:
     t0 = time.perf_counter()
     logits, cache = impl.prefill(tokens)
     mx.eval(logits, *cache_arrays(cache))
     return time.perf_counter() - t0
-
-
-def _ratios(row: dict[str, Any], metric: str, higher_is_better: bool) -> dict[str, float]:
-    """Throughput of each implementation over mlx-lm's: above 1, it is faster than mlx-lm."""
-    base = row["impls"][MLX_LM][metric]["median"]
-    out = {}
-    for name, m in row["impls"].items():
-        if name != MLX_LM:
-            out[name] = m[metric]["median"] / base if higher_is_better else base / m[metric]["median"]
-    return out
 
 
 def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model, cfg, ceil):
@@ -560,8 +509,7 @@ def check_agreement(impls, rng, model) -> dict[str, Any]:
     tokens = random_tokens(rng, model, (1, 16))
     outs = {name: impl.prefill(tokens)[0].astype(mx.float32) for name, impl in impls.items()}
     base = outs[MLX_LM]
-    scale = mx.max(mx.abs(base)).item()
-    report = {"max_abs_logit_mlx_lm": scale}
+    report: dict[str, Any] = {"max_abs_logit_mlx_lm": mx.max(mx.abs(base)).item()}
     for name, out in outs.items():
         if name != MLX_LM:
             report[name] = {
@@ -576,7 +524,7 @@ def check_agreement(impls, rng, model) -> dict[str, Any]:
 
 def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeats: int,
                calls: int = 8) -> list[dict[str, Any]]:
-    """Plain ops (the course's) against mx.fast / mlx-lm for each operation the two models do
+    """The course's ops against mx.fast / mlx-lm for each operation the two models do
     differently, in two regimes: prefill (one prompt of prefill_len tokens) and decode (one
     token over `context` cached ones). Each timing evaluates `calls` independent calls in one
     graph, as a forward pass does, so per-eval overhead does not swamp small operations. The
@@ -601,7 +549,7 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
 
     norm_w, head_w = mx.ones((e,), dtype=dtype), mx.ones((d,), dtype=dtype)
     rms_hidden, rms_head = pkg.RMSNorm(e, norm_w, eps), pkg.RMSNorm(d, head_w, eps)
-    rope = pkg.RoPE(d, prefill_len + context + 8, theta)
+    rope = pkg.RoPE(d, prefill_len + context + 64, theta)
     results: list[dict[str, Any]] = []
 
     def fast_rope(x, offset):  # x [B, L, H, D] -> [B, H, L, D], as mlx-lm applies it
@@ -619,7 +567,7 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
                         "speedup": p_ms / f_ms if f_ms > 0 else None,
                         "calls_per_layer": per_layer, "est_ms_saved_per_token": saved,
                         "max_abs_diff": diff, "note": note})
-        log(f"  {regime:<7} {name:<18} plain {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
+        log(f"  {regime:<7} {name:<22} course {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
             f"(x{p_ms / max(f_ms, 1e-9):4.1f}) -> {saved:+7.2f} ms/token over {layers} layers")
 
     def add(name, regime, per_layer, tokens, inputs, plain, fast, note):
@@ -664,9 +612,10 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
     # one more; the step then reads all of them (keys and values returned).
     base = [(rnd(1, hkv, context, d), rnd(1, hkv, context, d)) for _ in range(calls)]
     new = [(rnd(1, hkv, 1, d), rnd(1, hkv, 1, d)) for _ in range(calls)]
-    dense = [pkg.TinyKvFullCache() for _ in range(calls)]
-    pre = [KVCache() for _ in range(calls)]
-    for group in (dense, pre):
+    groups = {"course": [pkg.TinyKvFullCache() for _ in range(calls)],
+              "concat": [ConcatKvCache() for _ in range(calls)],
+              "mlx-lm": [KVCache() for _ in range(calls)]}
+    for group in groups.values():
         for c, (k, v) in zip(group, base):
             c.update_and_fetch(k, v)
         mx.eval(*cache_arrays(group))
@@ -674,40 +623,41 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
     def appender(group):
         return lambda: [c.update_and_fetch(k, v)[:2] for c, (k, v) in zip(group, new)]
 
-    for _ in range(2):  # warm-up: mlx-lm's cache grows by 256 positions on the first append
-        mx.eval(appender(dense)(), appender(pre)())
-    record("kv cache append", "decode", 1, 1, appender(dense), appender(pre), None,
-           f"TinyKvFullCache (concatenate: copies all {context} positions) vs mlx-lm KVCache "
-           "(preallocated, slice update), batch 1")
+    for _ in range(2):  # warm-up: the preallocated caches grow by 256 positions on the first
+        mx.eval(*[appender(g)() for g in groups.values()])
+    record("kv cache append", "decode", 1, 1, appender(groups["course"]),
+           appender(groups["mlx-lm"]), None,
+           f"TinyKvFullCache vs mlx-lm KVCache (both preallocated, slice update) at context "
+           f"{context}, batch 1")
+    record("kv append, concatenating", "decode", 1, 1, appender(groups["concat"]),
+           appender(groups["mlx-lm"]), None,
+           f"a cache that concatenates (copies all {context} positions) vs mlx-lm KVCache")
     return results
 
 
 # --- ablation: whole-model variants ------------------------------------------------------
 
 
-def ablate_models(args, ckpt, longest, base_impls, rng, model, cfg, dtype, ceilings):
-    """The course's model with one suspect replaced at a time, next to the plain model and
-    mlx-lm: prefill at --ablate-len, decode at the largest context and batch."""
+def ablate_models(args, ckpt, base_impls, rng, model, cfg, dtype, ceilings):
+    """The course's model with mx.fast attention, norms + RoPE, or both, next to the plain
+    model and mlx-lm: prefill at --ablate-len, decode at the largest context and batch."""
     impls = dict(base_impls)
-    for suffix, prealloc, fast_attn, fast_norm_rope in VARIANTS:
-        impls[args.solution + suffix] = RefImpl(SOLUTIONS[args.solution], ckpt, longest + 16,
-                                                args.batch_cache, prealloc, fast_attn,
-                                                fast_norm_rope)
+    for suffix, fast_attn, fast_norm_rope in VARIANTS:
+        impls[args.solution + suffix] = RefImpl(SOLUTIONS[args.solution], ckpt,
+                                                args.batch_cache, fast_attn, fast_norm_rope)
     agreement = check_agreement(impls, rng, model)
-    for name, a in agreement.items():
-        if name in impls and name not in base_impls:
-            log(f"  {name}: max |logit diff| vs mlx-lm {a['max_abs_diff']:.2e}")
-    prefill_impls = {n: i for n, i in impls.items() if not n.endswith("+prealloc-cache")}
+    for name in impls:
+        if name not in base_impls:
+            log(f"  {name}: max |logit diff| vs mlx-lm {agreement[name]['max_abs_diff']:.2e}")
     reps = args.ablate_repeats
-    prefill = measure_prefill(prefill_impls, [args.ablate_len], reps, reps, 10**9, rng,
-                              model, cfg, ceilings)
+    prefill = measure_prefill(impls, [args.ablate_len], reps, reps, 10**9, rng, model, cfg,
+                              ceilings)
     point = (max(args.decode_contexts or [1024]), max(args.decode_batches))
     decode = measure_decode(impls, [point], reps, args.decode_warmup, args.decode_steps, rng,
                             model, cfg, dtype, ceilings)
     return {"agreement": agreement, "prefill": prefill, "decode": decode,
-            "variants": {args.solution + s: {"preallocated_cache": p, "fast_attention": a,
-                                             "fast_rms_norm_and_rope": n}
-                         for s, p, a, n in VARIANTS}}
+            "variants": {args.solution + s: {"fast_attention": a, "fast_rms_norm_and_rope": n}
+                         for s, a, n in VARIANTS}}
 
 
 # --- report ------------------------------------------------------------------------------
@@ -724,21 +674,17 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"| mlx-lm, share of ceiling |",
         "|---|---:|---:|---:|---:|---:|",
     ]
-    for row in report["prefill"]:
+    for row in report["prefill"] + report["decode"]:
         a, b = row["impls"][ref], row["impls"][MLX_LM]
-        lines.append(
-            f"| prefill {row['prompt_len']} tokens (tokens/s) | {_spread(a['tokens_per_s'])} "
-            f"| {_spread(b['tokens_per_s'])} | {row['ratio_over_mlx_lm'][ref]:.2f} "
-            f"| {100 * a['fraction_of_matmul_ceiling']:.0f}% "
-            f"| {100 * b['fraction_of_matmul_ceiling']:.0f}% |")
-    for row in report["decode"]:
-        a, b = row["impls"][ref], row["impls"][MLX_LM]
-        lines.append(
-            f"| decode context {row['context']}, batch {row['batch']} (ms/step) "
-            f"| {_spread(a['ms_per_step'])} | {_spread(b['ms_per_step'])} "
-            f"| {row['ratio_over_mlx_lm'][ref]:.2f} "
-            f"| {100 * a['fraction_of_bandwidth_ceiling']:.0f}% "
-            f"| {100 * b['fraction_of_bandwidth_ceiling']:.0f}% |")
+        if row["kind"] == "prefill":
+            what, metric, share = (f"prefill {row['prompt_len']} tokens (tokens/s)",
+                                   "tokens_per_s", "fraction_of_matmul_ceiling")
+        else:
+            what, metric, share = (f"decode context {row['context']}, batch {row['batch']} "
+                                   "(ms/step)", "ms_per_step", "fraction_of_bandwidth_ceiling")
+        lines.append(f"| {what} | {_spread(a[metric])} | {_spread(b[metric])} "
+                     f"| {row['ratio_over_mlx_lm'][ref]:.2f} | {100 * a[share]:.0f}% "
+                     f"| {100 * b[share]:.0f}% |")
     c, m, s = report["ceilings"], report["model"], report["settings"]
     lines += [
         "",
@@ -750,15 +696,16 @@ def markdown_table(report: dict[str, Any]) -> str:
         f"{m['parameters'] / 1e6:.1f}M parameters{', random weights' if m['random_weights'] else ''}"
         f", {report['dtype']} on {report['device']}; BLAS {report['blas']['blas']}; MLX "
         f"{report['mlx']['version']}, mlx-lm {report['mlx_lm_version']}; "
-        f"{report['host']['cpu_count']} CPUs ({report['host']['machine']}). Median "
-        f"(min-max) of {s['repeats']} repeats ({s['long_repeats']} for prompts of "
-        f"{s['long_from']}+ tokens); decode: {s['decode_steps']} timed steps per repeat. "
-        f"Total runtime {report['runtime_s'] / 60:.1f} min.",
+        f"{report['host']['cpu_count']} CPUs ({report['host']['machine']}); {ref} decode cache "
+        f"at batch > 1: {s['batch_cache']}. Median (min-max) of {s['repeats']} repeats "
+        f"({s['long_repeats']} for prompts of {s['long_from']}+ tokens); decode: "
+        f"{s['decode_steps']} timed steps per repeat. Total runtime "
+        f"{report['runtime_s'] / 60:.1f} min.",
     ]
     ab = report.get("ablation")
     if ab:
-        lines += ["", "| Operation | regime | plain ms | fast ms | est. ms per token |",
-                  "|---|---|---:|---:|---:|"]
+        lines += ["", "| Operation | regime | course ms | mx.fast / mlx-lm ms "
+                      "| est. ms per token |", "|---|---|---:|---:|---:|"]
         for a in ab["ops"]:
             lines.append(f"| {a['op']} | {a['regime']} | {a['plain_ms']:.3f} | "
                          f"{a['fast_ms']:.3f} | {a['est_ms_saved_per_token']:+.2f} |")
@@ -767,41 +714,32 @@ def markdown_table(report: dict[str, Any]) -> str:
                       f"{dec['context']}, batch {dec['batch']} (ms/step) | vs mlx-lm "
                       f"(prefill / decode) |", "|---|---:|---:|---:|"]
         for name in dec["impls"]:
-            p = pre["impls"].get(name)
-            ratio_p = pre["ratio_over_mlx_lm"].get(name) if p else None
-            ratio_d = dec["ratio_over_mlx_lm"].get(name)
+            rp, rd = pre["ratio_over_mlx_lm"].get(name), dec["ratio_over_mlx_lm"].get(name)
             lines.append(
-                f"| {name} | {_spread(p['tokens_per_s']) if p else 'n/a'} "
+                f"| {name} | {_spread(pre['impls'][name]['tokens_per_s'])} "
                 f"| {_spread(dec['impls'][name]['ms_per_step'])} "
-                f"| {f'{ratio_p:.2f}' if ratio_p else '-'} / "
-                f"{f'{ratio_d:.2f}' if ratio_d else '-'} |")
+                f"| {f'{rp:.2f} / {rd:.2f}' if rp else '-'} |")
     return "\n".join(lines)
 
 
 # --- command line ------------------------------------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
 
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
+    pos, nonneg = int_at_least(1), int_at_least(0)
     p = argparse.ArgumentParser(
         prog="bench-model",
         description="Prefill and decode speed of the course's Qwen3 against mlx-lm's on the "
@@ -815,7 +753,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--random-weights", action=argparse.BooleanOptionalAction, default=None,
                    help="random weights with the model's shapes; default: on for shortcuts with "
                    "an embedded config and config.json paths, off for checkpoints")
-    m.add_argument("--num-layers", type=positive_int, default=None,
+    m.add_argument("--num-layers", type=pos, default=None,
                    help="keep only this many layers (quick runs)")
     m.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                    help="default: float32 on the CPU, bfloat16 on a GPU")
@@ -830,39 +768,38 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-openblas", action="store_true",
                    help="on Linux, keep the bundled reference BLAS of the mlx[cpu] wheel")
     w = p.add_argument_group("workload")
-    w.add_argument("--prefill-lens", type=positive_int, nargs="*", default=[128, 512, 2048],
+    w.add_argument("--prefill-lens", type=pos, nargs="*", default=[128, 512, 2048],
                    metavar="N", help="prompt lengths (none: no prefill measurements)")
-    w.add_argument("--decode-contexts", type=positive_int, nargs="*", default=[128, 1024],
+    w.add_argument("--decode-contexts", type=pos, nargs="*", default=[128, 1024],
                    metavar="N", help="cached tokens at the timed decode steps (none: no decode "
                    "measurements)")
-    w.add_argument("--decode-batches", type=positive_int, nargs="+", default=[1, 4],
+    w.add_argument("--decode-batches", type=pos, nargs="+", default=[1, 4],
                    metavar="B", help="rows decoded together")
-    w.add_argument("--decode-steps", type=positive_int, default=6,
-                   help="timed decode steps per repeat")
-    w.add_argument("--decode-warmup", type=non_negative_int, default=1,
-                   help="untimed decode steps before them (mlx-lm grows its cache in the first)")
-    w.add_argument("--repeats", type=positive_int, default=3,
+    w.add_argument("--decode-steps", type=pos, default=6, help="timed decode steps per repeat")
+    w.add_argument("--decode-warmup", type=nonneg, default=1,
+                   help="untimed decode steps before them (the caches grow on the first)")
+    w.add_argument("--repeats", type=pos, default=3,
                    help="repeats of each measurement; the order of the models alternates")
-    w.add_argument("--long-repeats", type=positive_int, default=2,
+    w.add_argument("--long-repeats", type=pos, default=2,
                    help="repeats for prompts of --long-from tokens or more, which get no warm-up "
                    "run of their own (the shorter prompts warmed the kernels up)")
-    w.add_argument("--long-from", type=positive_int, default=1024)
+    w.add_argument("--long-from", type=pos, default=1024)
     w.add_argument("--quick", action="store_true",
                    help="prompts up to 512 tokens only, at most 2 repeats, 4 decode steps")
-    w.add_argument("--seed", type=non_negative_int, default=0, help="weights and tokens")
+    w.add_argument("--seed", type=nonneg, default=0, help="weights and tokens")
     a = p.add_argument_group("ablation")
     a.add_argument("--ablate", action="store_true",
-                   help="time single operations plain vs mx.fast / mlx-lm, and the course's "
-                   "model with one suspect replaced at a time")
-    a.add_argument("--ablate-len", type=positive_int, default=512,
+                   help="time single operations against mx.fast / mlx-lm, and the course's "
+                   "model with mx.fast attention, norms and RoPE")
+    a.add_argument("--ablate-len", type=pos, default=512,
                    help="prompt length of the prefill ablations")
-    a.add_argument("--ablate-repeats", type=positive_int, default=2,
+    a.add_argument("--ablate-repeats", type=pos, default=2,
                    help="repeats of each whole-model variant")
     c = p.add_argument_group("ceilings")
-    c.add_argument("--matmul-size", type=positive_int, default=2048)
-    c.add_argument("--copy-mb", type=positive_int, default=256,
+    c.add_argument("--matmul-size", type=pos, default=2048)
+    c.add_argument("--copy-mb", type=pos, default=256,
                    help="MB copied for the bandwidth measurement")
-    c.add_argument("--ceiling-repeats", type=positive_int, default=3)
+    c.add_argument("--ceiling-repeats", type=pos, default=3)
     o = p.add_argument_group("output")
     o.add_argument("--json-output", type=Path, default=None,
                    help="default: benches/results/bench-model-<host>-<date>-<time>.json")
@@ -875,16 +812,12 @@ def default_json_path() -> Path:
     return HERE / "results" / f"bench-model-{host}-{stamp}.json"
 
 
-def mlx_lm_version() -> str:
-    import mlx_lm
-
-    return getattr(mlx_lm, "__version__", "unknown")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    t_start = time.time()
     parser = build_parser()
     args = parser.parse_args(argv)
+    if not args.no_openblas:
+        reexec_with_openblas()  # returns only where no restart is needed
+    started = time.time()
     if args.quick:
         args.prefill_lens = [n for n in args.prefill_lens if n <= 512] or [128]
         args.repeats, args.long_repeats = min(args.repeats, 2), min(args.long_repeats, 2)
@@ -894,7 +827,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "gpu" and not gpu_available():
         parser.error("--device gpu: MLX has no Metal or CUDA device here")
     try:
-        import mlx_lm  # noqa: F401
+        import mlx_lm
     except ImportError:
         parser.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
     try:
@@ -902,23 +835,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     args.seed, args.offline or None)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         parser.error(f"--model {args.model}: {e}")
-    longest = max([*args.prefill_lens, 16, *[c + args.decode_warmup + args.decode_steps + 1
-                                             for c in args.decode_contexts]])
-    if args.ablate:
-        longest = max(longest, args.ablate_len,
-                      max(args.decode_contexts or [1024]) + args.decode_warmup
-                      + args.decode_steps + 1)
+    contexts = args.decode_contexts or ([1024] if args.ablate else [])
+    longest = max([*args.prefill_lens, 16, args.ablate_len if args.ablate else 0,
+                   *[c + args.decode_warmup + args.decode_steps + 1 for c in contexts]])
     if longest > int(model.config["max_position_embeddings"]):
         parser.error(f"{longest} positions exceed the model's max_position_embeddings "
                      f"({model.config['max_position_embeddings']})")
 
-    os.environ.setdefault(STARTED_AT, str(t_start))  # a re-executed process keeps the first's
-    started = float(os.environ[STARTED_AT])
-    reexec_with_openblas(args.no_openblas)  # returns only when no re-exec is needed
-
     device = choose_device(args.device)
-    if args.dtype is None:
-        args.dtype = "bfloat16" if device == "gpu" else "float32"
+    args.dtype = args.dtype or ("bfloat16" if device == "gpu" else "float32")
     dtype = DTYPES[args.dtype]
     blas = blas_info()
     unused = blas["openblas_path"] and "openblas" not in blas["blas"]
@@ -934,26 +859,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     cfg = ckpt.config
     label = args.solution
     try:
-        impls = {
-            label: RefImpl(SOLUTIONS[args.solution], ckpt, longest + 16, args.batch_cache),
-            MLX_LM: MlxLmImpl(ckpt),
-        }
+        impls = {label: RefImpl(SOLUTIONS[label], ckpt, args.batch_cache),
+                 MLX_LM: MlxLmImpl(ckpt)}
         rng = random.Random(args.seed)
         agreement = check_agreement(impls, rng, model)
     except NotImplementedError as e:
-        log(f"error: {SOLUTIONS[args.solution]} is not complete yet: {e}")
+        log(f"error: {SOLUTIONS[label]} is not complete yet: {e}")
         return 1
     log(f"model {model.name}: {model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
         f"parameters ({'random' if model.random_weights else 'checkpoint'} weights), "
         f"{args.dtype} on {device}, ready in {time.perf_counter() - t:.1f} s")
-
     log(f"same 16 tokens through both: max |logit diff| {agreement[label]['max_abs_diff']:.2e} "
         f"(largest logit {agreement['max_abs_logit_mlx_lm']:.2f}), same argmax: "
         f"{agreement[label]['same_argmax']}")
 
     log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
     ceilings = measure_ceilings(args.matmul_size, args.copy_mb, args.ceiling_repeats, dtype)
-
     prefill = measure_prefill(impls, args.prefill_lens, args.repeats, args.long_repeats,
                               args.long_from, rng, model, cfg, ceilings)
     points = [(c, b) for c in args.decode_contexts for b in args.decode_batches]
@@ -962,10 +883,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ablation = None
     if args.ablate:
         log("ablation, single operations (median time of one call):")
-        ops = ablate_ops(impls[label].pkg, cfg, dtype, args.ablate_len,
-                         max(args.decode_contexts or [1024]), max(args.repeats, 5))
-        log("ablation, the course's model with parts replaced:")
-        models = ablate_models(args, ckpt, longest, impls, rng, model, cfg, dtype, ceilings)
+        ops = ablate_ops(impls[label].pkg, cfg, dtype, args.ablate_len, max(contexts),
+                         max(args.repeats, 5))
+        log("ablation, the course's model with mx.fast operations:")
+        models = ablate_models(args, ckpt, impls, rng, model, cfg, dtype, ceilings)
         ablation = {"ops": ops, "models": models}
 
     report = {
@@ -974,14 +895,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         "started": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds"),
         "host": host_info(),
         "mlx": mlx_info(),
-        "mlx_lm_version": mlx_lm_version(),
-        "blas": {**blas, "reexecuted_with_openblas": bool(os.environ.get(REEXEC_GUARD)),
-                 "no_openblas": args.no_openblas},
+        "mlx_lm_version": getattr(mlx_lm, "__version__", "unknown"),
+        "blas": {**blas, "no_openblas": args.no_openblas,
+                 "reexecuted_with_openblas":
+                     os.environ.get("TINY_LLM_OPENBLAS_PRELOADED") == "1"},
         "env": {k: os.environ.get(k) for k in ("LD_PRELOAD", "OMP_NUM_THREADS",
                                                "OPENBLAS_NUM_THREADS", "TINY_LLM_NO_OPENBLAS")},
         "device": device,
         "dtype": args.dtype,
-        "solution": SOLUTIONS[args.solution],
+        "solution": SOLUTIONS[label],
         "solution_label": label,
         "ref_batch_cache": ("one dense TinyKvFullCache of batch B per layer"
                             if args.batch_cache == "dense"
