@@ -184,12 +184,14 @@ def main() -> int:
         p.add_argument("--week", type=int)
         p.add_argument("--day", type=int)
     sub.choices["test"].add_argument("--ref", action="store_true", help="test tiny_llm_ref")
-    sub.choices["test"].add_argument("pytest_args", nargs=argparse.REMAINDER)
-    args = parser.parse_args()
+    # everything dev-tools does not know goes to pytest, with or without a "--" before it
+    # (pdm run swallows the first "--")
+    args, extra = parser.parse_known_args()
     if args.command == "test":
-        if args.pytest_args[:1] == ["--"]:
-            args.pytest_args = args.pytest_args[1:]
+        args.pytest_args = [a for a in extra if a != "--"]
         return cmd_test(args)
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     return cmd_check_course(args)
 
 
