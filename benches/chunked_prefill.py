@@ -56,6 +56,7 @@ from common import (  # noqa: E402
     blas_info,
     canonical_json,
     host_info,
+    int_at_least,
     median,
     mlx_info,
     openblas_preload_env,
@@ -363,26 +364,6 @@ def child_main(spec_path: str) -> int:
 # --- the parent: plan, launch, aggregate, report -------------------------------------------
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
 def non_negative_float(text: str) -> float:
     try:
         value = float(text)
@@ -417,7 +398,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--num-layers",
-        type=positive_int,
+        type=int_at_least(1),
         default=None,
         help="keep only this many layers (a smaller model; any number with random weights)",
     )
@@ -447,31 +428,31 @@ def build_parser() -> argparse.ArgumentParser:
     t = p.add_argument_group("trace and schedule")
     t.add_argument(
         "--prefill-steps",
-        type=positive_int,
+        type=int_at_least(1),
         nargs="+",
         default=[32, 128, 512],
         metavar="N",
         help="prefill budgets to compare (prompt tokens per iteration)",
     )
-    t.add_argument("--num-seqs", type=positive_int, default=8, help="requests in the trace")
-    t.add_argument("--batch-size", type=positive_int, default=4, help="decode slots")
-    t.add_argument("--min-input-len", type=positive_int, default=64)
-    t.add_argument("--max-input-len", type=positive_int, default=512)
-    t.add_argument("--min-output-len", type=positive_int, default=32)
-    t.add_argument("--max-output-len", type=positive_int, default=32)
+    t.add_argument("--num-seqs", type=int_at_least(1), default=8, help="requests in the trace")
+    t.add_argument("--batch-size", type=int_at_least(1), default=4, help="decode slots")
+    t.add_argument("--min-input-len", type=int_at_least(1), default=64)
+    t.add_argument("--max-input-len", type=int_at_least(1), default=512)
+    t.add_argument("--min-output-len", type=int_at_least(1), default=32)
+    t.add_argument("--max-output-len", type=int_at_least(1), default=32)
     t.add_argument(
-        "--seed", type=non_negative_int, default=0, help="the trace (and random weights)"
+        "--seed", type=int_at_least(0), default=0, help="the trace (and random weights)"
     )
     r = p.add_argument_group("runs and output")
     r.add_argument(
         "--warmup",
-        type=non_negative_int,
+        type=int_at_least(0),
         default=1,
         help="warm-up runs of a short trace in each process before the measured one",
     )
     r.add_argument(
         "--repeats",
-        type=positive_int,
+        type=int_at_least(1),
         default=2,
         help="processes per budget; odd repeats run the budgets in reverse order",
     )

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -19,7 +20,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,7 @@ __all__ = [
     "mlx_info",
     "blas_info",
     "openblas_preload_env",
+    "int_at_least",
     "percentile",
     "summarize",
     "median",
@@ -357,6 +359,20 @@ def mlx_info() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     return info
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than `low`."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
 
 
 # --- numbers -----------------------------------------------------------------------------

@@ -69,6 +69,7 @@ from common import (  # noqa: E402
     BenchModel,
     blas_info,
     host_info,
+    int_at_least,
     median,
     mlx_info,
     resolve_bench_model,
@@ -77,8 +78,8 @@ from common import (  # noqa: E402
 
 from tiny_llm_support import (  # noqa: E402
     choose_device,
-    expected_shapes,
     gpu_available,
+    mlx_lm_qwen3,
     reexec_with_openblas,
 )
 
@@ -299,28 +300,9 @@ class MlxLmImpl:
     """mlx-lm's Qwen3 holding the same weight arrays, with its own KV cache."""
 
     def __init__(self, ckpt):
-        from mlx_lm.models import qwen3
         from mlx_lm.models.cache import make_prompt_cache
 
-        c = ckpt.config
-        args = qwen3.ModelArgs(
-            model_type="qwen3",
-            hidden_size=c.hidden_size,
-            num_hidden_layers=c.num_hidden_layers,
-            intermediate_size=c.intermediate_size,
-            num_attention_heads=c.num_attention_heads,
-            rms_norm_eps=c.rms_norm_eps,
-            vocab_size=c.vocab_size,
-            num_key_value_heads=c.num_key_value_heads,
-            max_position_embeddings=c.max_position_embeddings,
-            rope_theta=c.rope_theta,
-            head_dim=c.head_dim,
-            tie_word_embeddings=c.tie_word_embeddings,
-        )
-        self.model = qwen3.Model(args)
-        names = expected_shapes(c)  # a checkpoint cut to fewer layers has tensors to spare
-        weights = self.model.sanitize({k: ckpt.weights[k] for k in names})  # tied: no lm_head
-        self.model.load_weights(list(weights.items()), strict=True)  # the same arrays, no copy
+        self.model = mlx_lm_qwen3(ckpt)  # the same weight arrays, no copy
         self._make_cache = make_prompt_cache
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
@@ -723,19 +705,6 @@ def markdown_table(report: dict[str, Any]) -> str:
 
 
 # --- command line ------------------------------------------------------------------------
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def build_parser() -> argparse.ArgumentParser:

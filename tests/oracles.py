@@ -7,30 +7,11 @@ The oracle is built once per Checkpoint object and kept for the session.
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache
-from mlx_lm.models.qwen3 import Model, ModelArgs
+from mlx_lm.models.qwen3 import Model
 
-from tiny_llm_support import Checkpoint
+from tiny_llm_support import Checkpoint, mlx_lm_qwen3
 
 _MODELS: dict[int, tuple[Checkpoint, Model]] = {}
-
-
-def mlx_lm_args(ckpt: Checkpoint) -> ModelArgs:
-    """mlx-lm's ModelArgs for a checkpoint's config."""
-    c = ckpt.config
-    return ModelArgs(
-        model_type="qwen3",
-        hidden_size=c.hidden_size,
-        num_hidden_layers=c.num_hidden_layers,
-        intermediate_size=c.intermediate_size,
-        num_attention_heads=c.num_attention_heads,
-        rms_norm_eps=c.rms_norm_eps,
-        vocab_size=c.vocab_size,
-        num_key_value_heads=c.num_key_value_heads,
-        max_position_embeddings=c.max_position_embeddings,
-        rope_theta=c.rope_theta,
-        head_dim=c.head_dim,
-        tie_word_embeddings=c.tie_word_embeddings,
-    )
 
 
 def mlx_lm_model(ckpt: Checkpoint) -> Model:
@@ -38,11 +19,7 @@ def mlx_lm_model(ckpt: Checkpoint) -> Model:
     hit = _MODELS.get(id(ckpt))
     if hit is not None and hit[0] is ckpt:
         return hit[1]
-    model = Model(mlx_lm_args(ckpt))
-    weights = dict(ckpt.weights)
-    if ckpt.config.tie_word_embeddings:
-        weights.pop("lm_head.weight", None)  # mlx-lm reuses the embedding as the output head
-    model.load_weights(list(weights.items()), strict=True)
+    model = mlx_lm_qwen3(ckpt)
     mx.eval(model.parameters())
     _MODELS[id(ckpt)] = (ckpt, model)  # keeping ckpt alive keeps its id unique
     return model

@@ -148,9 +148,9 @@ def test_cli_writes_the_report(tiny_dir, tmp_path):
         (["--min-input-len", "9", "--max-input-len", "8"], "--min-input-len 9 > --max-input-len 8"),
         (["--min-output-len", "5", "--max-output-len", "4"], "--min-output-len"),
         (["--prefill-steps"], "expected at least one argument"),
-        (["--prefill-steps", "0"], "positive integer"),
+        (["--prefill-steps", "0"], "integer >= 1"),
         (["--prefill-steps", "16", "16"], "more than once"),
-        (["--batch-size", "-1"], "positive integer"),
+        (["--batch-size", "-1"], "integer >= 1"),
         (["--model", "no-such-model"], "unknown model"),
     ],
 )

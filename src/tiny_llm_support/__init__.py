@@ -13,6 +13,7 @@ from .device import (
     reexec_with_openblas,
 )
 from .models import SHORTCUTS, ModelNotAvailableError, resolve_model
+from .oracle import mlx_lm_qwen3
 from .tiny import make_tiny_checkpoint
 from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
 
@@ -33,6 +34,7 @@ __all__ = [
     "blas_info",
     "openblas_path",
     "OPENBLAS_HINT",
+    "mlx_lm_qwen3",
     "openblas_preload_env",
     "reexec_with_openblas",
 ]
