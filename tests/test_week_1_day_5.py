@@ -4,6 +4,7 @@ Oracle: mlx-lm's Qwen3 (mlx_lm.models.qwen3) holding the same checkpoint weights
 """
 
 import dataclasses
+import importlib
 import re
 
 import mlx.core as mx
@@ -21,38 +22,13 @@ PROMPTS = {
 
 
 def _layer(impl, ckpt, i):
-    """Layer i built from the student's parts, the same way Qwen3ModelWeek1 builds it."""
-    c, w = ckpt.config, ckpt.weights
-    p = f"model.layers.{i}."
-    attention = impl.Qwen3MultiHeadAttention(
-        c.hidden_size,
-        c.num_attention_heads,
-        c.num_key_value_heads,
-        c.head_dim,
-        w[p + "self_attn.q_proj.weight"],
-        w[p + "self_attn.k_proj.weight"],
-        w[p + "self_attn.v_proj.weight"],
-        w[p + "self_attn.o_proj.weight"],
-        w[p + "self_attn.q_norm.weight"],
-        w[p + "self_attn.k_norm.weight"],
-        max_seq_len=c.max_position_embeddings,
-        theta=c.rope_theta,
-        rms_norm_eps=c.rms_norm_eps,
-    )
-    mlp = impl.Qwen3MLP(
-        c.hidden_size,
-        c.intermediate_size,
-        w[p + "mlp.gate_proj.weight"],
-        w[p + "mlp.up_proj.weight"],
-        w[p + "mlp.down_proj.weight"],
-    )
-    block = impl.Qwen3TransformerBlock(
-        attention,
-        mlp,
-        impl.RMSNorm(c.hidden_size, w[p + "input_layernorm.weight"], c.rms_norm_eps),
-        impl.RMSNorm(c.hidden_size, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps),
-    )
-    return attention, block
+    """Layer i built from the package's parts by its given build_block, as the model does."""
+    week1 = importlib.import_module(f"{impl.__name__}.qwen3_week1")
+    c = ckpt.config
+    rope = impl.RoPE(c.head_dim, c.max_position_embeddings, c.rope_theta)
+    weights = week1.checked_weights(ckpt)
+    block = week1.build_block(c, weights, i, impl.Qwen3MultiHeadAttention, rope)
+    return block.self_attn, block
 
 
 def _hidden(ckpt, batch, length, seed):
