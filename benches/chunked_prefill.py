@@ -440,9 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--max-input-len", type=int_at_least(1), default=512)
     t.add_argument("--min-output-len", type=int_at_least(1), default=32)
     t.add_argument("--max-output-len", type=int_at_least(1), default=32)
-    t.add_argument(
-        "--seed", type=int_at_least(0), default=0, help="the trace (and random weights)"
-    )
+    t.add_argument("--seed", type=int_at_least(0), default=0, help="the trace (and random weights)")
     r = p.add_argument_group("runs and output")
     r.add_argument(
         "--warmup",

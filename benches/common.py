@@ -363,6 +363,7 @@ def mlx_info() -> dict[str, Any]:
 
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer no smaller than `low`."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)

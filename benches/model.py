@@ -120,8 +120,12 @@ def _sample(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]
 
 
 def _stats(values: Sequence[float]) -> dict[str, Any]:
-    return {"median": median(values), "min": min(values), "max": max(values),
-            "values": list(values)}
+    return {
+        "median": median(values),
+        "min": min(values),
+        "max": max(values),
+        "values": list(values),
+    }
 
 
 def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
@@ -136,8 +140,10 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
         mx.eval(a, b)
         times = _sample(lambda a=a, b=b: a @ b, repeats, budget_s=5.0)
         out[f"matmul_{name}_gflops"] = _stats([2.0 * size**3 / t / 1e9 for t in times])
-        log(f"  matmul {size}x{size} {name}: {out[f'matmul_{name}_gflops']['max']:.1f} GFLOP/s "
-            f"(best of {len(times)})")
+        log(
+            f"  matmul {size}x{size} {name}: {out[f'matmul_{name}_gflops']['max']:.1f} GFLOP/s "
+            f"(best of {len(times)})"
+        )
 
     # Copy: a float32 source larger than the caches, copied in 8 MB pieces. A single large
     # output would come from a fresh mmap every time on Linux, and the page faults of first
@@ -158,8 +164,9 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
     out["copy_bytes"] = nbytes
     out["copy_gbs"] = _stats([nbytes / copy_all() / 1e9 for _ in range(max(2, repeats))])
     flat = src.reshape(-1)
-    out["copy_fresh_allocation_gbs"] = _stats([nbytes / _timed(lambda: flat + 0) / 1e9
-                                               for _ in range(2)])
+    out["copy_fresh_allocation_gbs"] = _stats(
+        [nbytes / _timed(lambda: flat + 0) / 1e9 for _ in range(2)]
+    )
 
     # gemv: one row times a weight matrix far larger than the caches: the shape of decode.
     shape = (16384, 4096)
@@ -173,9 +180,11 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
     dname = next(name for name, dt in DTYPES.items() if dt == dtype)
     out["matmul_ceiling_gflops"] = out[f"matmul_{dname}_gflops"]["max"]
     out["ceiling_dtype"] = dname
-    log(f"  copy {out['copy_gbs']['max']:.1f} GB/s (read+write, 8 MB pieces; "
+    log(
+        f"  copy {out['copy_gbs']['max']:.1f} GB/s (read+write, 8 MB pieces; "
         f"{out['copy_fresh_allocation_gbs']['max']:.1f} GB/s into one fresh "
-        f"{nbytes // 2 >> 20} MB array), gemv {dname} {out['gemv_gbs']['max']:.1f} GB/s")
+        f"{nbytes // 2 >> 20} MB array), gemv {dname} {out['gemv_gbs']['max']:.1f} GB/s"
+    )
     return out
 
 
@@ -200,8 +209,14 @@ class FastRoPE:
 
     def __call__(self, x: mx.array, offset: int | list[int] = 0) -> mx.array:
         off = offset if isinstance(offset, int) else mx.array(offset)
-        y = mx.fast.rope(x.swapaxes(1, 2), self.dims, traditional=self.traditional,
-                         base=self.base, scale=1.0, offset=off)  # rope rotates [B, H, L, D]
+        y = mx.fast.rope(
+            x.swapaxes(1, 2),
+            self.dims,
+            traditional=self.traditional,
+            base=self.base,
+            scale=1.0,
+            offset=off,
+        )  # rope rotates [B, H, L, D]
         return y.swapaxes(1, 2)
 
 
@@ -231,8 +246,14 @@ class RefImpl:
     """The course's model and caches (tiny_llm_ref, or the student's tiny_llm); for the
     ablation, with attention or norms and RoPE swapped for mx.fast operations."""
 
-    def __init__(self, package: str, ckpt, batch_cache: str, fast_attn: bool = False,
-                 fast_norm_rope: bool = False):
+    def __init__(
+        self,
+        package: str,
+        ckpt,
+        batch_cache: str,
+        fast_attn: bool = False,
+        fast_norm_rope: bool = False,
+    ):
         self.pkg = importlib.import_module(package)
         self.model = self.pkg.Qwen3Model(ckpt)
         self.batch_cache = batch_cache
@@ -240,8 +261,10 @@ class RefImpl:
         if fast_attn:
             module = sys.modules[type(self.model.layers[0].self_attn).__module__]
             if not hasattr(module, "scaled_dot_product_attention_grouped"):
-                raise RuntimeError(f"{module.__name__} does not call "
-                                   "scaled_dot_product_attention_grouped: cannot swap it")
+                raise RuntimeError(
+                    f"{module.__name__} does not call "
+                    "scaled_dot_product_attention_grouped: cannot swap it"
+                )
             self.attention_module = module
         if fast_norm_rope:
             rope = FastRoPE(self.model.layers[0].self_attn.rope, ckpt.config.rope_theta)
@@ -330,8 +353,11 @@ def cache_arrays(cache: list) -> list[mx.array]:
     for c in cache:
         parts = [s for s in c.slots if s is not None] if hasattr(c, "slots") else [c]
         for p in parts:
-            found += [a for a in (getattr(p, "keys", None), getattr(p, "values", None))
-                      if isinstance(a, mx.array)]
+            found += [
+                a
+                for a in (getattr(p, "keys", None), getattr(p, "values", None))
+                if isinstance(a, mx.array)
+            ]
     return found
 
 
@@ -383,8 +409,11 @@ def random_tokens(rng: random.Random, model: BenchModel, shape: tuple[int, int])
 def _ratios(row: dict[str, Any], metric: str, higher_is_better: bool) -> dict[str, float]:
     """Throughput of each implementation over mlx-lm's: above 1, it is faster than mlx-lm."""
     base = row["impls"][MLX_LM][metric]["median"]
-    return {name: m[metric]["median"] / base if higher_is_better else base / m[metric]["median"]
-            for name, m in row["impls"].items() if name != MLX_LM}
+    return {
+        name: m[metric]["median"] / base if higher_is_better else base / m[metric]["median"]
+        for name, m in row["impls"].items()
+        if name != MLX_LM
+    }
 
 
 def run_prefill(impl, tokens: mx.array) -> float:
@@ -408,11 +437,19 @@ def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model
             for name in _order(r, impls):
                 t = run_prefill(impls[name], tokens)
                 times[name].append(t)
-                log(f"  prefill {length:>5} tokens  {name:<20} {r + 1}/{reps}: "
-                    f"{length / t:8.1f} tok/s ({t:.2f} s)")
+                log(
+                    f"  prefill {length:>5} tokens  {name:<20} {r + 1}/{reps}: "
+                    f"{length / t:8.1f} tok/s ({t:.2f} s)"
+                )
         flops = prefill_flops(cfg, length)
-        row: dict[str, Any] = {"kind": "prefill", "prompt_len": length, "repeats": reps,
-                               "warmup_runs": 0 if is_long else 1, "flops": flops, "impls": {}}
+        row: dict[str, Any] = {
+            "kind": "prefill",
+            "prompt_len": length,
+            "repeats": reps,
+            "warmup_runs": 0 if is_long else 1,
+            "flops": flops,
+            "impls": {},
+        }
         for name, ts in times.items():
             gflops = [flops / t / 1e9 for t in ts]
             row["impls"][name] = {
@@ -447,8 +484,10 @@ def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int):
     kv = []
     for _ in range(cfg.num_hidden_layers):
         key, k1, k2 = mx.random.split(key, 3)
-        pair = (mx.random.uniform(-1, 1, shape, key=k1).astype(dtype),
-                mx.random.uniform(-1, 1, shape, key=k2).astype(dtype))
+        pair = (
+            mx.random.uniform(-1, 1, shape, key=k1).astype(dtype),
+            mx.random.uniform(-1, 1, shape, key=k2).astype(dtype),
+        )
         mx.eval(pair)
         kv.append(pair)
     return kv
@@ -464,13 +503,22 @@ def measure_decode(impls, points, repeats, warmup, steps, rng, model, cfg, dtype
             for name in _order(r, impls):
                 ts = run_decode(impls[name], kv, tokens, warmup, steps)
                 per_step[name].append(sum(ts) / len(ts))
-                log(f"  decode ctx {context:>5} batch {batch}  {name:<20} {r + 1}/{repeats}: "
-                    f"{1000 * per_step[name][-1]:8.1f} ms/step")
+                log(
+                    f"  decode ctx {context:>5} batch {batch}  {name:<20} {r + 1}/{repeats}: "
+                    f"{1000 * per_step[name][-1]:8.1f} ms/step"
+                )
         del kv
         nbytes = decode_bytes(cfg, batch, context, dtype.size)
-        row: dict[str, Any] = {"kind": "decode", "context": context, "batch": batch,
-                               "repeats": repeats, "warmup_steps": warmup, "timed_steps": steps,
-                               "bytes_per_step": nbytes, "impls": {}}
+        row: dict[str, Any] = {
+            "kind": "decode",
+            "context": context,
+            "batch": batch,
+            "repeats": repeats,
+            "warmup_steps": warmup,
+            "timed_steps": steps,
+            "bytes_per_step": nbytes,
+            "impls": {},
+        }
         for name, ts in per_step.items():
             gbs = [nbytes / t / 1e9 for t in ts]
             row["impls"][name] = {
@@ -504,8 +552,9 @@ def check_agreement(impls, rng, model) -> dict[str, Any]:
 # --- ablation: single operations ---------------------------------------------------------
 
 
-def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeats: int,
-               calls: int = 8) -> list[dict[str, Any]]:
+def ablate_ops(
+    pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeats: int, calls: int = 8
+) -> list[dict[str, Any]]:
     """The course's ops against mx.fast / mlx-lm for each operation the two models do
     differently, in two regimes: prefill (one prompt of prefill_len tokens) and decode (one
     token over `context` cached ones). Each timing evaluates `calls` independent calls in one
@@ -516,8 +565,13 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
     from mlx_lm.models.activations import swiglu
     from mlx_lm.models.cache import KVCache
 
-    hq, hkv, d, e, inter = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim,
-                            cfg.hidden_size, cfg.intermediate_size)
+    hq, hkv, d, e, inter = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+    )
     eps, theta, layers = cfg.rms_norm_eps, cfg.rope_theta, cfg.num_hidden_layers
     scale = 1.0 / math.sqrt(d)
     key = mx.random.key(3)
@@ -535,8 +589,9 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
     results: list[dict[str, Any]] = []
 
     def fast_rope(x, offset):  # x [B, L, H, D] -> [B, H, L, D], as mlx-lm applies it
-        return mx.fast.rope(x.swapaxes(1, 2), d, traditional=False, base=theta, scale=1.0,
-                            offset=offset)
+        return mx.fast.rope(
+            x.swapaxes(1, 2), d, traditional=False, base=theta, scale=1.0, offset=offset
+        )
 
     def record(name, regime, per_layer, tokens, plain_fn, fast_fn, diff, note):
         times = {"plain": [], "fast": []}
@@ -545,12 +600,23 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
                 times[which].append(_timed(plain_fn if which == "plain" else fast_fn) / calls)
         p_ms, f_ms = 1000 * median(times["plain"]), 1000 * median(times["fast"])
         saved = (p_ms - f_ms) * per_layer * layers / tokens
-        results.append({"op": name, "regime": regime, "plain_ms": p_ms, "fast_ms": f_ms,
-                        "speedup": p_ms / f_ms if f_ms > 0 else None,
-                        "calls_per_layer": per_layer, "est_ms_saved_per_token": saved,
-                        "max_abs_diff": diff, "note": note})
-        log(f"  {regime:<7} {name:<22} course {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
-            f"(x{p_ms / max(f_ms, 1e-9):4.1f}) -> {saved:+7.2f} ms/token over {layers} layers")
+        results.append(
+            {
+                "op": name,
+                "regime": regime,
+                "plain_ms": p_ms,
+                "fast_ms": f_ms,
+                "speedup": p_ms / f_ms if f_ms > 0 else None,
+                "calls_per_layer": per_layer,
+                "est_ms_saved_per_token": saved,
+                "max_abs_diff": diff,
+                "note": note,
+            }
+        )
+        log(
+            f"  {regime:<7} {name:<22} course {p_ms:8.3f} ms  fast {f_ms:8.3f} ms  "
+            f"(x{p_ms / max(f_ms, 1e-9):4.1f}) -> {saved:+7.2f} ms/token over {layers} layers"
+        )
 
     def add(name, regime, per_layer, tokens, inputs, plain, fast, note):
         plain_fn = lambda: [plain(*x) for x in inputs]
@@ -558,45 +624,78 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
         mx.eval(plain_fn(), fast_fn())  # warm-up (mx.compile traces here)
         p0, f0 = plain(*inputs[0]), fast(*inputs[0])
         pairs = zip(p0, f0) if isinstance(p0, tuple) else [(p0, f0)]
-        diff = max(mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item()
-                   for a, b in pairs)
+        diff = max(
+            mx.max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32))).item() for a, b in pairs
+        )
         record(name, regime, per_layer, tokens, plain_fn, fast_fn, diff, note)
 
     for regime, length in (("prefill", prefill_len), ("decode", 1)):
         offset = 0 if regime == "prefill" else context
         s = length if regime == "prefill" else context + 1
         mask = "causal" if regime == "prefill" else None
-        add("rmsnorm hidden", regime, 2, length,
+        add(
+            "rmsnorm hidden",
+            regime,
+            2,
+            length,
             [(rnd(1, length, e),) for _ in range(calls)],
-            rms_hidden, lambda x: mx.fast.rms_norm(x, norm_w, eps),
-            "course RMSNorm vs mx.fast.rms_norm on [1, L, E]")
+            rms_hidden,
+            lambda x: mx.fast.rms_norm(x, norm_w, eps),
+            "course RMSNorm vs mx.fast.rms_norm on [1, L, E]",
+        )
         qk = [(rnd(1, length, hq, d), rnd(1, length, hkv, d)) for _ in range(calls)]
-        add("rmsnorm q,k", regime, 1, length, qk,
+        add(
+            "rmsnorm q,k",
+            regime,
+            1,
+            length,
+            qk,
             lambda q, k: (rms_head(q), rms_head(k)),
             lambda q, k: (mx.fast.rms_norm(q, head_w, eps), mx.fast.rms_norm(k, head_w, eps)),
-            "QK-norm of [1, L, H, D] queries and keys")
-        add("rope q,k", regime, 1, length, qk,
+            "QK-norm of [1, L, H, D] queries and keys",
+        )
+        add(
+            "rope q,k",
+            regime,
+            1,
+            length,
+            qk,
             lambda q, k, o=offset: (rope(q, o).swapaxes(1, 2), rope(k, o).swapaxes(1, 2)),
             lambda q, k, o=offset: (fast_rope(q, o), fast_rope(k, o)),
-            "course RoPE (table gather, halves, concatenate) vs mx.fast.rope")
-        add("silu(gate) * up", regime, 1, length,
+            "course RoPE (table gather, halves, concatenate) vs mx.fast.rope",
+        )
+        add(
+            "silu(gate) * up",
+            regime,
+            1,
+            length,
             [(rnd(1, length, inter), rnd(1, length, inter)) for _ in range(calls)],
-            lambda g, u: pkg.silu(g) * u, swiglu, "plain ops vs mlx-lm's compiled swiglu")
-        add("attention core", regime, 1, length,
-            [(rnd(1, hq, length, d), rnd(1, hkv, s, d), rnd(1, hkv, s, d))
-             for _ in range(calls)],
+            lambda g, u: pkg.silu(g) * u,
+            swiglu,
+            "plain ops vs mlx-lm's compiled swiglu",
+        )
+        add(
+            "attention core",
+            regime,
+            1,
+            length,
+            [(rnd(1, hq, length, d), rnd(1, hkv, s, d), rnd(1, hkv, s, d)) for _ in range(calls)],
             lambda q, k, v, m=mask: pkg.scaled_dot_product_attention_grouped(q, k, v, scale, m),
-            lambda q, k, v, m=mask: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale,
-                                                                         mask=m),
-            "grouped matmul + softmax vs mx.fast.scaled_dot_product_attention")
+            lambda q, k, v, m=mask: mx.fast.scaled_dot_product_attention(
+                q, k, v, scale=scale, mask=m
+            ),
+            "grouped matmul + softmax vs mx.fast.scaled_dot_product_attention",
+        )
 
     # The KV cache at decode: each of `calls` layer caches holds `context` positions and gets
     # one more; the step then reads all of them (keys and values returned).
     base = [(rnd(1, hkv, context, d), rnd(1, hkv, context, d)) for _ in range(calls)]
     new = [(rnd(1, hkv, 1, d), rnd(1, hkv, 1, d)) for _ in range(calls)]
-    groups = {"course": [pkg.TinyKvFullCache() for _ in range(calls)],
-              "concat": [ConcatKvCache() for _ in range(calls)],
-              "mlx-lm": [KVCache() for _ in range(calls)]}
+    groups = {
+        "course": [pkg.TinyKvFullCache() for _ in range(calls)],
+        "concat": [ConcatKvCache() for _ in range(calls)],
+        "mlx-lm": [KVCache() for _ in range(calls)],
+    }
     for group in groups.values():
         for c, (k, v) in zip(group, base):
             c.update_and_fetch(k, v)
@@ -607,13 +706,27 @@ def ablate_ops(pkg, cfg, dtype: mx.Dtype, prefill_len: int, context: int, repeat
 
     for _ in range(2):  # warm-up: the preallocated caches grow by 256 positions on the first
         mx.eval(*[appender(g)() for g in groups.values()])
-    record("kv cache append", "decode", 1, 1, appender(groups["course"]),
-           appender(groups["mlx-lm"]), None,
-           f"TinyKvFullCache vs mlx-lm KVCache (both preallocated, slice update) at context "
-           f"{context}, batch 1")
-    record("kv append, concatenating", "decode", 1, 1, appender(groups["concat"]),
-           appender(groups["mlx-lm"]), None,
-           f"a cache that concatenates (copies all {context} positions) vs mlx-lm KVCache")
+    record(
+        "kv cache append",
+        "decode",
+        1,
+        1,
+        appender(groups["course"]),
+        appender(groups["mlx-lm"]),
+        None,
+        f"TinyKvFullCache vs mlx-lm KVCache (both preallocated, slice update) at context "
+        f"{context}, batch 1",
+    )
+    record(
+        "kv append, concatenating",
+        "decode",
+        1,
+        1,
+        appender(groups["concat"]),
+        appender(groups["mlx-lm"]),
+        None,
+        f"a cache that concatenates (copies all {context} positions) vs mlx-lm KVCache",
+    )
     return results
 
 
@@ -625,21 +738,39 @@ def ablate_models(args, ckpt, base_impls, rng, model, cfg, dtype, ceilings):
     model and mlx-lm: prefill at --ablate-len, decode at the largest context and batch."""
     impls = dict(base_impls)
     for suffix, fast_attn, fast_norm_rope in VARIANTS:
-        impls[args.solution + suffix] = RefImpl(SOLUTIONS[args.solution], ckpt,
-                                                args.batch_cache, fast_attn, fast_norm_rope)
+        impls[args.solution + suffix] = RefImpl(
+            SOLUTIONS[args.solution], ckpt, args.batch_cache, fast_attn, fast_norm_rope
+        )
     agreement = check_agreement(impls, rng, model)
     for name in impls:
         if name not in base_impls:
             log(f"  {name}: max |logit diff| vs mlx-lm {agreement[name]['max_abs_diff']:.2e}")
     reps = args.ablate_repeats
-    prefill = measure_prefill(impls, [args.ablate_len], reps, reps, 10**9, rng, model, cfg,
-                              ceilings)
+    prefill = measure_prefill(
+        impls, [args.ablate_len], reps, reps, 10**9, rng, model, cfg, ceilings
+    )
     point = (max(args.decode_contexts or [1024]), max(args.decode_batches))
-    decode = measure_decode(impls, [point], reps, args.decode_warmup, args.decode_steps, rng,
-                            model, cfg, dtype, ceilings)
-    return {"agreement": agreement, "prefill": prefill, "decode": decode,
-            "variants": {args.solution + s: {"fast_attention": a, "fast_rms_norm_and_rope": n}
-                         for s, a, n in VARIANTS}}
+    decode = measure_decode(
+        impls,
+        [point],
+        reps,
+        args.decode_warmup,
+        args.decode_steps,
+        rng,
+        model,
+        cfg,
+        dtype,
+        ceilings,
+    )
+    return {
+        "agreement": agreement,
+        "prefill": prefill,
+        "decode": decode,
+        "variants": {
+            args.solution + s: {"fast_attention": a, "fast_rms_norm_and_rope": n}
+            for s, a, n in VARIANTS
+        },
+    }
 
 
 # --- report ------------------------------------------------------------------------------
@@ -659,14 +790,22 @@ def markdown_table(report: dict[str, Any]) -> str:
     for row in report["prefill"] + report["decode"]:
         a, b = row["impls"][ref], row["impls"][MLX_LM]
         if row["kind"] == "prefill":
-            what, metric, share = (f"prefill {row['prompt_len']} tokens (tokens/s)",
-                                   "tokens_per_s", "fraction_of_matmul_ceiling")
+            what, metric, share = (
+                f"prefill {row['prompt_len']} tokens (tokens/s)",
+                "tokens_per_s",
+                "fraction_of_matmul_ceiling",
+            )
         else:
-            what, metric, share = (f"decode context {row['context']}, batch {row['batch']} "
-                                   "(ms/step)", "ms_per_step", "fraction_of_bandwidth_ceiling")
-        lines.append(f"| {what} | {_spread(a[metric])} | {_spread(b[metric])} "
-                     f"| {row['ratio_over_mlx_lm'][ref]:.2f} | {100 * a[share]:.0f}% "
-                     f"| {100 * b[share]:.0f}% |")
+            what, metric, share = (
+                f"decode context {row['context']}, batch {row['batch']} (ms/step)",
+                "ms_per_step",
+                "fraction_of_bandwidth_ceiling",
+            )
+        lines.append(
+            f"| {what} | {_spread(a[metric])} | {_spread(b[metric])} "
+            f"| {row['ratio_over_mlx_lm'][ref]:.2f} | {100 * a[share]:.0f}% "
+            f"| {100 * b[share]:.0f}% |"
+        )
     c, m, s = report["ceilings"], report["model"], report["settings"]
     lines += [
         "",
@@ -686,21 +825,31 @@ def markdown_table(report: dict[str, Any]) -> str:
     ]
     ab = report.get("ablation")
     if ab:
-        lines += ["", "| Operation | regime | course ms | mx.fast / mlx-lm ms "
-                      "| est. ms per token |", "|---|---|---:|---:|---:|"]
+        lines += [
+            "",
+            "| Operation | regime | course ms | mx.fast / mlx-lm ms | est. ms per token |",
+            "|---|---|---:|---:|---:|",
+        ]
         for a in ab["ops"]:
-            lines.append(f"| {a['op']} | {a['regime']} | {a['plain_ms']:.3f} | "
-                         f"{a['fast_ms']:.3f} | {a['est_ms_saved_per_token']:+.2f} |")
+            lines.append(
+                f"| {a['op']} | {a['regime']} | {a['plain_ms']:.3f} | "
+                f"{a['fast_ms']:.3f} | {a['est_ms_saved_per_token']:+.2f} |"
+            )
         pre, dec = ab["models"]["prefill"][0], ab["models"]["decode"][0]
-        lines += ["", f"| Model | prefill {pre['prompt_len']} (tokens/s) | decode context "
-                      f"{dec['context']}, batch {dec['batch']} (ms/step) | vs mlx-lm "
-                      f"(prefill / decode) |", "|---|---:|---:|---:|"]
+        lines += [
+            "",
+            f"| Model | prefill {pre['prompt_len']} (tokens/s) | decode context "
+            f"{dec['context']}, batch {dec['batch']} (ms/step) | vs mlx-lm "
+            f"(prefill / decode) |",
+            "|---|---:|---:|---:|",
+        ]
         for name in dec["impls"]:
             rp, rd = pre["ratio_over_mlx_lm"].get(name), dec["ratio_over_mlx_lm"].get(name)
             lines.append(
                 f"| {name} | {_spread(pre['impls'][name]['tokens_per_s'])} "
                 f"| {_spread(dec['impls'][name]['ms_per_step'])} "
-                f"| {f'{rp:.2f} / {rd:.2f}' if rp else '-'} |")
+                f"| {f'{rp:.2f} / {rd:.2f}' if rp else '-'} |"
+            )
     return "\n".join(lines)
 
 
@@ -716,62 +865,130 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     m = p.add_argument_group("model")
-    m.add_argument("--model", default="qwen3-0.6b",
-                   help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random "
-                   "weights), a checkpoint directory, or the path of a config.json")
-    m.add_argument("--random-weights", action=argparse.BooleanOptionalAction, default=None,
-                   help="random weights with the model's shapes; default: on for shortcuts with "
-                   "an embedded config and config.json paths, off for checkpoints")
-    m.add_argument("--num-layers", type=pos, default=None,
-                   help="keep only this many layers (quick runs)")
-    m.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                   help="default: float32 on the CPU, bfloat16 on a GPU")
+    m.add_argument(
+        "--model",
+        default="qwen3-0.6b",
+        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random "
+        "weights), a checkpoint directory, or the path of a config.json",
+    )
+    m.add_argument(
+        "--random-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random weights with the model's shapes; default: on for shortcuts with "
+        "an embedded config and config.json paths, off for checkpoints",
+    )
+    m.add_argument(
+        "--num-layers", type=pos, default=None, help="keep only this many layers (quick runs)"
+    )
+    m.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default=None,
+        help="default: float32 on the CPU, bfloat16 on a GPU",
+    )
     m.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    m.add_argument("--solution", choices=sorted(SOLUTIONS), default="ref",
-                   help="ref: tiny_llm_ref; tiny_llm: your own solution")
-    m.add_argument("--batch-cache", choices=("dense", "batching"), default="dense",
-                   help="the course's cache for decode batches > 1: one dense cache of batch B "
-                   "per layer, or a BatchingKvCache over B one-row dense caches")
-    m.add_argument("--offline", action="store_true",
-                   help="never download: real weights must be in the Hugging Face cache")
-    m.add_argument("--no-openblas", action="store_true",
-                   help="on Linux, keep the bundled reference BLAS of the mlx[cpu] wheel")
+    m.add_argument(
+        "--solution",
+        choices=sorted(SOLUTIONS),
+        default="ref",
+        help="ref: tiny_llm_ref; tiny_llm: your own solution",
+    )
+    m.add_argument(
+        "--batch-cache",
+        choices=("dense", "batching"),
+        default="dense",
+        help="the course's cache for decode batches > 1: one dense cache of batch B "
+        "per layer, or a BatchingKvCache over B one-row dense caches",
+    )
+    m.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: real weights must be in the Hugging Face cache",
+    )
+    m.add_argument(
+        "--no-openblas",
+        action="store_true",
+        help="on Linux, keep the bundled reference BLAS of the mlx[cpu] wheel",
+    )
     w = p.add_argument_group("workload")
-    w.add_argument("--prefill-lens", type=pos, nargs="*", default=[128, 512, 2048],
-                   metavar="N", help="prompt lengths (none: no prefill measurements)")
-    w.add_argument("--decode-contexts", type=pos, nargs="*", default=[128, 1024],
-                   metavar="N", help="cached tokens at the timed decode steps (none: no decode "
-                   "measurements)")
-    w.add_argument("--decode-batches", type=pos, nargs="+", default=[1, 4],
-                   metavar="B", help="rows decoded together")
+    w.add_argument(
+        "--prefill-lens",
+        type=pos,
+        nargs="*",
+        default=[128, 512, 2048],
+        metavar="N",
+        help="prompt lengths (none: no prefill measurements)",
+    )
+    w.add_argument(
+        "--decode-contexts",
+        type=pos,
+        nargs="*",
+        default=[128, 1024],
+        metavar="N",
+        help="cached tokens at the timed decode steps (none: no decode measurements)",
+    )
+    w.add_argument(
+        "--decode-batches",
+        type=pos,
+        nargs="+",
+        default=[1, 4],
+        metavar="B",
+        help="rows decoded together",
+    )
     w.add_argument("--decode-steps", type=pos, default=6, help="timed decode steps per repeat")
-    w.add_argument("--decode-warmup", type=nonneg, default=1,
-                   help="untimed decode steps before them (the caches grow on the first)")
-    w.add_argument("--repeats", type=pos, default=3,
-                   help="repeats of each measurement; the order of the models alternates")
-    w.add_argument("--long-repeats", type=pos, default=2,
-                   help="repeats for prompts of --long-from tokens or more, which get no warm-up "
-                   "run of their own (the shorter prompts warmed the kernels up)")
+    w.add_argument(
+        "--decode-warmup",
+        type=nonneg,
+        default=1,
+        help="untimed decode steps before them (the caches grow on the first)",
+    )
+    w.add_argument(
+        "--repeats",
+        type=pos,
+        default=3,
+        help="repeats of each measurement; the order of the models alternates",
+    )
+    w.add_argument(
+        "--long-repeats",
+        type=pos,
+        default=2,
+        help="repeats for prompts of --long-from tokens or more, which get no warm-up "
+        "run of their own (the shorter prompts warmed the kernels up)",
+    )
     w.add_argument("--long-from", type=pos, default=1024)
-    w.add_argument("--quick", action="store_true",
-                   help="prompts up to 512 tokens only, at most 2 repeats, 4 decode steps")
+    w.add_argument(
+        "--quick",
+        action="store_true",
+        help="prompts up to 512 tokens only, at most 2 repeats, 4 decode steps",
+    )
     w.add_argument("--seed", type=nonneg, default=0, help="weights and tokens")
     a = p.add_argument_group("ablation")
-    a.add_argument("--ablate", action="store_true",
-                   help="time single operations against mx.fast / mlx-lm, and the course's "
-                   "model with mx.fast attention, norms and RoPE")
-    a.add_argument("--ablate-len", type=pos, default=512,
-                   help="prompt length of the prefill ablations")
-    a.add_argument("--ablate-repeats", type=pos, default=2,
-                   help="repeats of each whole-model variant")
+    a.add_argument(
+        "--ablate",
+        action="store_true",
+        help="time single operations against mx.fast / mlx-lm, and the course's "
+        "model with mx.fast attention, norms and RoPE",
+    )
+    a.add_argument(
+        "--ablate-len", type=pos, default=512, help="prompt length of the prefill ablations"
+    )
+    a.add_argument(
+        "--ablate-repeats", type=pos, default=2, help="repeats of each whole-model variant"
+    )
     c = p.add_argument_group("ceilings")
     c.add_argument("--matmul-size", type=pos, default=2048)
-    c.add_argument("--copy-mb", type=pos, default=256,
-                   help="MB copied for the bandwidth measurement")
+    c.add_argument(
+        "--copy-mb", type=pos, default=256, help="MB copied for the bandwidth measurement"
+    )
     c.add_argument("--ceiling-repeats", type=pos, default=3)
     o = p.add_argument_group("output")
-    o.add_argument("--json-output", type=Path, default=None,
-                   help="default: benches/results/bench-model-<host>-<date>-<time>.json")
+    o.add_argument(
+        "--json-output",
+        type=Path,
+        default=None,
+        help="default: benches/results/bench-model-<host>-<date>-<time>.json",
+    )
     return p
 
 
@@ -800,60 +1017,96 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         parser.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
     try:
-        model = resolve_bench_model(args.model, args.random_weights, args.num_layers,
-                                    args.seed, args.offline or None)
+        model = resolve_bench_model(
+            args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
+        )
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         parser.error(f"--model {args.model}: {e}")
     contexts = args.decode_contexts or ([1024] if args.ablate else [])
-    longest = max([*args.prefill_lens, 16, args.ablate_len if args.ablate else 0,
-                   *[c + args.decode_warmup + args.decode_steps + 1 for c in contexts]])
+    longest = max(
+        [
+            *args.prefill_lens,
+            16,
+            args.ablate_len if args.ablate else 0,
+            *[c + args.decode_warmup + args.decode_steps + 1 for c in contexts],
+        ]
+    )
     if longest > int(model.config["max_position_embeddings"]):
-        parser.error(f"{longest} positions exceed the model's max_position_embeddings "
-                     f"({model.config['max_position_embeddings']})")
+        parser.error(
+            f"{longest} positions exceed the model's max_position_embeddings "
+            f"({model.config['max_position_embeddings']})"
+        )
 
     device = choose_device(args.device)
     args.dtype = args.dtype or ("bfloat16" if device == "gpu" else "float32")
     dtype = DTYPES[args.dtype]
     blas = blas_info()
     unused = blas["openblas_path"] and "openblas" not in blas["blas"]
-    log(f"BLAS: {blas['blas']}" + (f" (OpenBLAS at {blas['openblas_path']} not used)"
-                                   if unused else ""))
+    log(
+        f"BLAS: {blas['blas']}"
+        + (f" (OpenBLAS at {blas['openblas_path']} not used)" if unused else "")
+    )
     if device == "cpu" and "reference" in blas["blas"]:
-        log("warning: the bundled reference BLAS runs fp32 matmuls 20-40x slower than "
+        log(
+            "warning: the bundled reference BLAS runs fp32 matmuls 20-40x slower than "
             "OpenBLAS: `sudo apt-get install libopenblas0-pthread` (see the Performance "
-            "appendix), or expect a long run")
+            "appendix), or expect a long run"
+        )
 
     t = time.perf_counter()
     ckpt = model.load(args.dtype)
     cfg = ckpt.config
     label = args.solution
     try:
-        impls = {label: RefImpl(SOLUTIONS[label], ckpt, args.batch_cache),
-                 MLX_LM: MlxLmImpl(ckpt)}
+        impls = {label: RefImpl(SOLUTIONS[label], ckpt, args.batch_cache), MLX_LM: MlxLmImpl(ckpt)}
         rng = random.Random(args.seed)
         agreement = check_agreement(impls, rng, model)
     except NotImplementedError as e:
         log(f"error: {SOLUTIONS[label]} is not complete yet: {e}")
         return 1
-    log(f"model {model.name}: {model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
+    log(
+        f"model {model.name}: {model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
         f"parameters ({'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {device}, ready in {time.perf_counter() - t:.1f} s")
-    log(f"same 16 tokens through both: max |logit diff| {agreement[label]['max_abs_diff']:.2e} "
+        f"{args.dtype} on {device}, ready in {time.perf_counter() - t:.1f} s"
+    )
+    log(
+        f"same 16 tokens through both: max |logit diff| {agreement[label]['max_abs_diff']:.2e} "
         f"(largest logit {agreement['max_abs_logit_mlx_lm']:.2f}), same argmax: "
-        f"{agreement[label]['same_argmax']}")
+        f"{agreement[label]['same_argmax']}"
+    )
 
     log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
     ceilings = measure_ceilings(args.matmul_size, args.copy_mb, args.ceiling_repeats, dtype)
-    prefill = measure_prefill(impls, args.prefill_lens, args.repeats, args.long_repeats,
-                              args.long_from, rng, model, cfg, ceilings)
+    prefill = measure_prefill(
+        impls,
+        args.prefill_lens,
+        args.repeats,
+        args.long_repeats,
+        args.long_from,
+        rng,
+        model,
+        cfg,
+        ceilings,
+    )
     points = [(c, b) for c in args.decode_contexts for b in args.decode_batches]
-    decode = measure_decode(impls, points, args.repeats, args.decode_warmup, args.decode_steps,
-                            rng, model, cfg, dtype, ceilings)
+    decode = measure_decode(
+        impls,
+        points,
+        args.repeats,
+        args.decode_warmup,
+        args.decode_steps,
+        rng,
+        model,
+        cfg,
+        dtype,
+        ceilings,
+    )
     ablation = None
     if args.ablate:
         log("ablation, single operations (median time of one call):")
-        ops = ablate_ops(impls[label].pkg, cfg, dtype, args.ablate_len, max(contexts),
-                         max(args.repeats, 5))
+        ops = ablate_ops(
+            impls[label].pkg, cfg, dtype, args.ablate_len, max(contexts), max(args.repeats, 5)
+        )
         log("ablation, the course's model with mx.fast operations:")
         models = ablate_models(args, ckpt, impls, rng, model, cfg, dtype, ceilings)
         ablation = {"ops": ops, "models": models}
@@ -865,18 +1118,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         "host": host_info(),
         "mlx": mlx_info(),
         "mlx_lm_version": getattr(mlx_lm, "__version__", "unknown"),
-        "blas": {**blas, "no_openblas": args.no_openblas,
-                 "reexecuted_with_openblas":
-                     os.environ.get("TINY_LLM_OPENBLAS_PRELOADED") == "1"},
-        "env": {k: os.environ.get(k) for k in ("LD_PRELOAD", "OMP_NUM_THREADS",
-                                               "OPENBLAS_NUM_THREADS", "TINY_LLM_NO_OPENBLAS")},
+        "blas": {
+            **blas,
+            "no_openblas": args.no_openblas,
+            "reexecuted_with_openblas": os.environ.get("TINY_LLM_OPENBLAS_PRELOADED") == "1",
+        },
+        "env": {
+            k: os.environ.get(k)
+            for k in (
+                "LD_PRELOAD",
+                "OMP_NUM_THREADS",
+                "OPENBLAS_NUM_THREADS",
+                "TINY_LLM_NO_OPENBLAS",
+            )
+        },
         "device": device,
         "dtype": args.dtype,
         "solution": SOLUTIONS[label],
         "solution_label": label,
-        "ref_batch_cache": ("one dense TinyKvFullCache of batch B per layer"
-                            if args.batch_cache == "dense"
-                            else "BatchingKvCache over B one-row TinyKvFullCaches per layer"),
+        "ref_batch_cache": (
+            "one dense TinyKvFullCache of batch B per layer"
+            if args.batch_cache == "dense"
+            else "BatchingKvCache over B one-row TinyKvFullCaches per layer"
+        ),
         "mlx_lm_cache": "make_prompt_cache: KVCache, preallocated 256 positions at a time",
         "model": model.describe(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

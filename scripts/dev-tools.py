@@ -1,4 +1,4 @@
-"""Developer commands behind `pdm run test`, `pdm run test-refsol` and `pdm run check-course`."""
+"""Developer commands behind `pdm run test`, `test-refsol`, `make-skeleton` and `check-course`."""
 
 import argparse
 import importlib
@@ -17,6 +17,9 @@ TESTS = ROOT / "tests"
 SRC = ROOT / "src"
 DAY_FILE = re.compile(r"test_week_(\d+)_day_(\d+)\.py$")
 TASK_MESSAGE = re.compile(r"NotImplementedError: Week \d+ Day \d+, Task \d+")
+BEGIN, END = "# BEGIN TASK ", "# END TASK"
+TASK_TEXT = re.compile(r"Week \d+ Day \d+, Task \d+\b[^\"\\]*: [^\"\\]+$")
+LINE_LENGTH = 100  # ruff's line-length: a longer raise line is wrapped the way ruff format does
 
 
 def day_files() -> dict[tuple[int, int], Path]:
@@ -50,6 +53,129 @@ def run_pytest(files: list[Path], impl: str, extra: list[str], env=None) -> int:
 def cmd_test(args: argparse.Namespace) -> int:
     impl = "ref" if args.ref else "student"
     return run_pytest(select_files(args.week, args.day), impl, args.pytest_args)
+
+
+# --- make-skeleton ---------------------------------------------------------------------
+
+
+class MarkerError(ValueError):
+    """A task marker in the reference is unbalanced, has no task text, or repeats one."""
+
+
+def skeleton_module(text: str, where: str, stub=lambda task: True) -> tuple[str, list[str]]:
+    """The student version of one reference module, and the task texts it marks.
+
+    Lines between `# BEGIN TASK <text>` and `# END TASK` become one
+    `raise NotImplementedError("<text>")` at the marker's indentation; every other line is
+    copied, with the package name tiny_llm_ref rewritten to tiny_llm. A task for which
+    stub(text) is false keeps its reference lines (check-course stubs one task at a time).
+    """
+    out, tasks, body = [], [], []
+    open_at = None  # (line number, indentation, text) of the marker being skipped
+    for number, line in enumerate(text.splitlines(keepends=True), start=1):
+        stripped = line.strip()
+        indent = line[: len(line) - len(line.lstrip())]
+        if stripped.startswith(BEGIN.strip()):
+            if open_at is not None:
+                raise MarkerError(
+                    f"{where}:{number}: BEGIN TASK inside the task opened at line {open_at[0]}"
+                )
+            task = stripped[len(BEGIN) :].strip() if stripped.startswith(BEGIN) else ""
+            if not TASK_TEXT.match(task):
+                raise MarkerError(
+                    f"{where}:{number}: a task marker needs the text 'Week W Day D, Task N: what to "
+                    f"write' (no quotes or backslashes), got {task!r}"
+                )
+            open_at = (number, indent, task)
+        elif stripped == END:
+            if open_at is None:
+                raise MarkerError(f"{where}:{number}: END TASK without a BEGIN TASK")
+            if indent != open_at[1]:
+                raise MarkerError(
+                    f"{where}:{number}: END TASK is not indented like its BEGIN at line {open_at[0]}"
+                )
+            out += [raise_line(open_at[1], open_at[2])] if stub(open_at[2]) else body
+            tasks.append(open_at[2])
+            open_at, body = None, []
+        elif open_at is None:
+            out.append(line.replace("tiny_llm_ref", "tiny_llm"))
+        else:
+            body.append(line.replace("tiny_llm_ref", "tiny_llm"))
+    if open_at is not None:
+        raise MarkerError(f"{where}:{open_at[0]}: BEGIN TASK is never closed")
+    return "".join(out), tasks
+
+
+def raise_line(indent: str, task: str) -> str:
+    one_line = f'{indent}raise NotImplementedError("{task}")\n'
+    if len(one_line) - 1 <= LINE_LENGTH:
+        return one_line
+    return f'{indent}raise NotImplementedError(\n{indent}    "{task}"\n{indent})\n'
+
+
+def generate_skeleton(stub=lambda task: True) -> dict[str, str]:
+    """file name -> text of every module of the student package, from the reference."""
+    files, seen = {}, {}
+    for path in sorted((SRC / "tiny_llm_ref").glob("*.py")):
+        where = path.relative_to(ROOT).as_posix()
+        files[path.name], tasks = skeleton_module(path.read_text(encoding="utf-8"), where, stub)
+        for task in tasks:
+            if task in seen:
+                raise MarkerError(f"{where}: task text {task!r} is also used in {seen[task]}")
+            seen[task] = where
+    return files
+
+
+def cmd_make_skeleton(args: argparse.Namespace) -> int:
+    try:
+        files = generate_skeleton()
+    except MarkerError as e:
+        sys.exit(f"error: {e}")
+    target = SRC / "tiny_llm"
+    for stale in set(p.name for p in target.glob("*.py")) - set(files):
+        (target / stale).unlink()
+        print(f"removed src/tiny_llm/{stale}")
+    for name, text in files.items():
+        path = target / name
+        if not path.exists() or path.read_text(encoding="utf-8") != text:
+            path.write_text(text, encoding="utf-8")
+            print(f"wrote src/tiny_llm/{name}")
+    print(
+        f"make-skeleton: src/tiny_llm/ holds {len(files)} modules generated from src/tiny_llm_ref/"
+    )
+    return 0
+
+
+def check_skeleton_is_generated() -> tuple[list[str], list[str]]:
+    """Problems where the committed skeleton differs from a fresh generation; all task texts."""
+    try:
+        files = generate_skeleton()
+    except MarkerError as e:
+        return [str(e)], []
+    problems = []
+    committed = {p.name for p in (SRC / "tiny_llm").glob("*.py")}
+    for name in sorted(committed - set(files)):
+        problems.append(f"src/tiny_llm/{name} has no reference module in src/tiny_llm_ref/")
+    for name, want in files.items():
+        path = SRC / "tiny_llm" / name
+        if not path.exists():
+            problems.append(f"src/tiny_llm/{name} is missing: run `pdm run make-skeleton`")
+            continue
+        have = path.read_text(encoding="utf-8").splitlines()
+        for number, (a, b) in enumerate(zip(have, want.splitlines()), start=1):
+            if a != b:
+                problems.append(
+                    f"src/tiny_llm/{name}:{number} differs from the generated skeleton "
+                    f"(run `pdm run make-skeleton`): has {a.strip()!r}, generated {b.strip()!r}"
+                )
+                break
+        else:
+            if len(have) != len(want.splitlines()):
+                problems.append(f"src/tiny_llm/{name}: length differs from the generated skeleton")
+    tasks = [
+        t for text in files.values() for t in re.findall(r'NotImplementedError\(\s*"([^"]+)"', text)
+    ]
+    return problems, tasks
 
 
 # --- check-course ------------------------------------------------------------------------
@@ -91,7 +217,9 @@ def check_api() -> list[str]:
             problems.append(f"tiny_llm lacks {name}")
         elif have[name] != sig:
             problems.append(f"{name}: tiny_llm {have[name]} != tiny_llm_ref {sig}")
-    problems += [f"tiny_llm has {name}, tiny_llm_ref does not" for name in have.keys() - want.keys()]
+    problems += [
+        f"tiny_llm has {name}, tiny_llm_ref does not" for name in have.keys() - want.keys()
+    ]
     return problems
 
 
@@ -111,8 +239,17 @@ def junit_cases(xml_path: Path) -> list[tuple[str, str | None]]:
 
 def run_day(path: Path, env: dict, workdir: Path) -> list[tuple[str, str | None]]:
     xml = workdir / f"{path.stem}.xml"
-    cmd = [sys.executable, "-m", "pytest", str(path), "--impl=student", "-q",
-           "-p", "no:cacheprovider", f"--junitxml={xml}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(path),
+        "--impl=student",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--junitxml={xml}",
+    ]
     subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not xml.exists():
         return [(path.name, "pytest did not run")]
@@ -140,6 +277,33 @@ def check_skeleton(days: dict, workdir: Path) -> list[str]:
     return problems
 
 
+def task_days(task: str) -> set[tuple[int, int]]:
+    """The days a task text names ("Week 3 Day 1, Task 3 and Week 3 Day 2, Task 1": two)."""
+    return {(int(w), int(d)) for w, d in re.findall(r"Week (\d+) Day (\d+)", task)}
+
+
+def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> list[str]:
+    """With every other task solved, each task alone left as a stub makes a test of its day
+    fail naming it: no task is out of the tests' reach, however far down a call chain."""
+    problems = []
+    for number, task in enumerate(tasks):
+        paths = [days[d] for d in sorted(task_days(task)) if d in days]
+        if not paths:
+            continue
+        package = workdir / f"one-task-{number}"
+        (package / "tiny_llm").mkdir(parents=True)
+        for name, text in generate_skeleton(stub=task.__eq__).items():
+            (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
+        failures = [f for path in paths for _, f in run_day(path, env_with_path(package), workdir)]
+        named = any(f and task in f for f in failures)
+        print(f"  one stub   {task[:70]}: {'named' if named else 'NOT NAMED'}", flush=True)
+        if not named:
+            problems.append(
+                f"no test of its day fails naming the task {task!r} when only it is a stub"
+            )
+    return problems
+
+
 def check_pasted_reference(days: dict, workdir: Path) -> list[str]:
     """With the reference modules pasted into a copy of tiny_llm, every test passes."""
     copy = workdir / "pasted"
@@ -152,8 +316,11 @@ def check_pasted_reference(days: dict, workdir: Path) -> list[str]:
     for (week, day), path in days.items():
         cases = run_day(path, env, workdir)
         print(f"  reference  week {week} day {day}: {len(cases)} tests", flush=True)
-        problems += [f"{name} fails with the reference pasted in:\n{failure}"
-                     for name, failure in cases if failure is not None]
+        problems += [
+            f"{name} fails with the reference pasted in:\n{failure}"
+            for name, failure in cases
+            if failure is not None
+        ]
         if not cases:
             problems.append(f"{path.name} ran no tests")
     return problems
@@ -163,11 +330,15 @@ def cmd_check_course(args: argparse.Namespace) -> int:
     days = day_files()
     if args.week is not None:
         days = {k: v for k, v in days.items() if k[0] == args.week and args.day in (None, k[1])}
+    print("check-course: src/tiny_llm/ is the skeleton generated from the reference", flush=True)
+    problems, tasks = check_skeleton_is_generated()
     print("check-course: API of tiny_llm against tiny_llm_ref", flush=True)
-    problems = check_api()
+    problems += check_api()
     with tempfile.TemporaryDirectory() as tmp:
         print("check-course: each day's tests on the untouched skeleton", flush=True)
         problems += check_skeleton(days, Path(tmp))
+        print("check-course: each task alone as a stub, its day's tests name it", flush=True)
+        problems += check_each_task_is_tested(days, Path(tmp), tasks)
         print("check-course: each day's tests with the reference pasted in", flush=True)
         problems += check_pasted_reference(days, Path(tmp))
     for problem in problems:
@@ -179,6 +350,9 @@ def cmd_check_course(args: argparse.Namespace) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(prog="dev-tools")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser(
+        "make-skeleton", help="write src/tiny_llm/ from the task markers in the reference"
+    )
     for name in ("test", "check-course"):
         p = sub.add_parser(name)
         p.add_argument("--week", type=int)
@@ -192,6 +366,8 @@ def main() -> int:
         return cmd_test(args)
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    if args.command == "make-skeleton":
+        return cmd_make_skeleton(args)
     return cmd_check_course(args)
 
 

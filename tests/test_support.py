@@ -212,6 +212,7 @@ def test_weight_scales(tiny):
 def test_logits_far_from_uniform(tmp_path):
     """mlx-lm (a test oracle) loads the tiny checkpoint; greedy choices have clear margins."""
     from mlx_lm.utils import load_model
+
     for tie in (True, False):
         model, _ = load_model(make_tiny_checkpoint(tmp_path / str(tie), tie_word_embeddings=tie))
         tokens = mx.array(np.random.RandomState(0).randint(0, 600, (4, 16)))

@@ -1,4 +1,4 @@
-"""Week 1 Day 2: rotary position embeddings (RoPE) with an integer position offset.
+"""Week 1 Day 2: rotary position embeddings (RoPE) with a position offset.
 
 Oracle: mx.fast.rope, which wants the sequence axis second to last, so x [B, L, H, D] is
 transposed to [B, H, L, D] and back.
@@ -27,19 +27,17 @@ def assert_close(actual: mx.array, expected: mx.array, atol: float = ATOL, rtol:
 
 def oracle(x: mx.array, traditional: bool, base: float, offset: int) -> mx.array:
     xt = x.swapaxes(1, 2)  # [B, H, L, D]
-    y = mx.fast.rope(
-        xt, x.shape[-1], traditional=traditional, base=base, scale=1.0, offset=offset
-    )
+    y = mx.fast.rope(xt, x.shape[-1], traditional=traditional, base=base, scale=1.0, offset=offset)
     return y.swapaxes(1, 2)  # [B, L, H, D]
 
 
-# --- Tasks 1 and 2: the tables and the rotation, compared with mx.fast.rope -------------------
+# --- Tasks 1 and 3: the tables and the rotation, compared with mx.fast.rope -------------------
 
 
 @pytest.mark.parametrize("traditional", [False, True], ids=["half-split", "interleaved"])
 @pytest.mark.parametrize("offset", [0, 7])
 @pytest.mark.parametrize("B, L, H, D", [(1, 4, 2, 8), (2, 5, 4, 16), (3, 9, 2, 64)])
-def test_task_2_rope_matches_mlx(impl, traditional, offset, B, L, H, D):
+def test_task_3_rope_matches_mlx(impl, traditional, offset, B, L, H, D):
     rope = impl.RoPE(D, 32, traditional=traditional)
     x = randn((B, L, H, D), seed=B * 100 + L + offset)
     y = rope(x, offset)
@@ -137,3 +135,42 @@ def test_task_2_rope_wrong_head_dim_raises(impl):
 def test_task_1_rope_odd_dims_raise(impl):
     with pytest.raises(ValueError, match="even"):
         impl.RoPE(15, 32)
+
+
+# --- Task 2: positions from one offset, or one offset per row --------------------------------
+
+
+def test_task_2_positions_one_offset_and_one_per_row(impl):
+    rope = impl.RoPE(8, 32)
+    np.testing.assert_array_equal(
+        np.array(rope.positions(3, 2, 4)), [[3, 4, 5, 6], [3, 4, 5, 6]], "one int: every row"
+    )
+    np.testing.assert_array_equal(
+        np.array(rope.positions([5, 0, 17], 3, 2)),
+        [[5, 6], [0, 1], [17, 18]],
+        "a list: row b starts at offset[b] (continuous batching, Week 3 Day 1)",
+    )
+
+
+def test_task_3_rope_with_one_offset_per_row_equals_each_row_alone(impl):
+    rope = impl.RoPE(32, 64)
+    x = randn((3, 4, 2, 32), seed=5)
+    starts = [5, 0, 17]
+    rotated = rope(x, starts)
+    for row, start in enumerate(starts):
+        assert_close(rotated[row : row + 1], oracle(x[row : row + 1], False, 10000.0, start))
+
+
+@pytest.mark.parametrize(
+    "offset, why",
+    [
+        ([1, 2], "two offsets for three rows"),
+        (30, "positions 30..33 run past a table of 32"),
+        ([0, -1, 0], "a negative position"),
+    ],
+)
+def test_task_2_positions_refuse_bad_offsets(impl, offset, why):
+    rope = impl.RoPE(8, 32)
+    with pytest.raises(ValueError):
+        rope.positions(offset, 3, 4)
+        raise AssertionError(f"positions should refuse {why}")

@@ -56,6 +56,27 @@ def _close(actual, expected, what):
 # --- Task 1: attention with QK-norm, RoPE and GQA --------------------------------------------
 
 
+@pytest.mark.parametrize("offset", [0, 5])
+def test_qkv_matches_mlx_lm_projections(impl, tiny_ckpt, offset):
+    """qkv alone: queries and keys projected, QK-normed and rotated, values projected, each
+    in [B, heads, L, D], against the same steps taken with mlx-lm's own layer modules."""
+    c = tiny_ckpt.config
+    oracle = mlx_lm_model(tiny_ckpt).model.layers[0].self_attn
+    attention, _ = _layer(impl, tiny_ckpt, 0)
+    x = _hidden(tiny_ckpt, 2, 6, seed=3)
+    q, k, v = attention.qkv(x, offset)
+
+    def heads(y, n):  # [B, L, n * D] -> [B, n, L, D]
+        return y.reshape(2, 6, n, c.head_dim).swapaxes(1, 2)
+
+    want_q = oracle.rope(oracle.q_norm(heads(oracle.q_proj(x), c.num_attention_heads)), offset)
+    want_k = oracle.rope(oracle.k_norm(heads(oracle.k_proj(x), c.num_key_value_heads)), offset)
+    want_v = heads(oracle.v_proj(x), c.num_key_value_heads)
+    _close(q, want_q, f"queries [B, H, L, D] at offset {offset}")
+    _close(k, want_k, f"keys [B, H_kv, L, D] at offset {offset}")
+    _close(v, want_v, "values [B, H_kv, L, D] (no RoPE, no norm)")
+
+
 @pytest.mark.parametrize("length", [1, 9])
 def test_attention_matches_mlx_lm(impl, tiny_ckpt, length):
     """Every layer's attention alone, on random input, against mlx-lm's Attention (no cache)."""

@@ -139,6 +139,21 @@ def test_top_p(impl, top_p, kept):
     np.testing.assert_allclose(freq, expected, atol=TOLERANCE)
 
 
+def test_keep_top_p_masks_exactly_outside_the_nucleus(impl):
+    """keep_top_p alone, no randomness: the kept tokens are the smallest most-likely set whose
+    probability reaches top_p; everything else becomes -inf, the kept logits are unchanged."""
+    logits = mx.array(np.stack([LOGITS, LOGITS[::-1]]), dtype=mx.float32)  # [2, V]
+    for top_p in (0.3, 0.75, 0.85, 1.0):
+        kept = np.array(impl.keep_top_p(logits, top_p))
+        for row in range(2):
+            want = _expected_probs(np.array(logits[row]), 1.0, top_p=top_p) > 0
+            got = np.isfinite(kept[row])
+            np.testing.assert_array_equal(
+                got, want, err_msg=f"top_p={top_p}, row {row}: the set of kept tokens"
+            )
+            np.testing.assert_allclose(kept[row][got], np.array(logits[row])[got], atol=1e-6)
+
+
 def test_top_k_top_p_and_temperature_together(impl):
     """Scale by 1/T, keep the top k, then the top-p set of what is left."""
     freq = _frequencies(impl.make_sampler(2.0, top_k=5, top_p=0.6, seed=4), LOGITS)

@@ -9,6 +9,15 @@ chunked prefill is Week 3 Day 2.
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import (
+    CacheTracker,
+    Injected,
+    ModelSpy,
+    StepLog,
+    TokenizerSpy,
+    nth_call_of,
+    prompt_with_tokens,
+)
 
 MAX_SEQ_LEN = 40
 WHOLE_PROMPT = 512  # prefill_step larger than every prompt: one prefill call per prompt
@@ -18,15 +27,11 @@ PROMPTS = [
     "The quick brown fox jumps over the lazy dog.",  # 16
     "a",  # 1
     "How are you today?",  # 6
-    "1, 2, 3",  # 5; greedy decoding meets <|im_end|> after 5 tokens
+    "1, 2, 3",  # 5; greedy decoding gives 0, 82, 82, 82, 82, 383, ... (see EARLY_EOS)
     "def add(a, b):\n    return a + b",  # 15
     "naïve café 😀",  # 16, multi-byte characters
     "xyz",  # 3
 ]
-
-
-class Boom(Exception):
-    """The injected fault. Not a RuntimeError: NotImplementedError is one, Boom must not be."""
 
 
 # --- helpers ----------------------------------------------------------------------------------
@@ -51,138 +56,19 @@ def oracle(impl, model, tokenizer):
     memo = {}
 
     def tokens_for(prompt, max_seq_len=MAX_SEQ_LEN, eos=None):
+        """eos=None: the tokenizer's EOS ids; an empty set: decode straight past EOS."""
         ids = tokenizer.encode(prompt)
         assert max_seq_len <= MAX_SEQ_LEN
-        if prompt not in memo:
+        if prompt not in memo:  # never stops at EOS, so every cut below can be taken from it
             memo[prompt] = list(
-                impl.simple_generate_with_kv_cache(
-                    model, ids, MAX_SEQ_LEN - len(ids), eos_token_ids=tokenizer.eos_token_ids
-                )
+                impl.simple_generate_with_kv_cache(model, ids, MAX_SEQ_LEN - len(ids))
             )
         tokens = memo[prompt][: max_seq_len - len(ids)]
-        stops = [i for i, t in enumerate(tokens) if t in (eos or tokenizer.eos_token_ids)]
+        stop_ids = tokenizer.eos_token_ids if eos is None else eos
+        stops = [i for i, t in enumerate(tokens) if t in stop_ids]
         return tokens[: stops[0] + 1] if stops else tokens
 
     return tokens_for
-
-
-class CacheTracker:
-    """Records every per-layer cache the model hands out, and whether release() ran on it."""
-
-    def __init__(self, monkeypatch, model):
-        self.created = []  # one list of layer caches per request
-        self.released = set()
-        for name in ("create_kv_cache", "create_paged_kv_cache"):
-            monkeypatch.setattr(model, name, self._wrap(getattr(model, name)))
-
-    def _wrap(self, create):
-        def tracked_create(*args, **kwargs):
-            caches = create(*args, **kwargs)
-            for layer_cache in caches:
-                self._watch(layer_cache)
-            self.created.append(caches)
-            return caches
-
-        return tracked_create
-
-    def _watch(self, layer_cache):
-        release = layer_cache.release
-
-        def tracked_release():
-            self.released.add(id(layer_cache))
-            return release()
-
-        layer_cache.release = tracked_release
-
-    def assert_all_released(self):
-        for n, caches in enumerate(self.created):
-            for layer, layer_cache in enumerate(caches):
-                assert id(layer_cache) in self.released, (
-                    f"the layer-{layer} cache of request cache #{n} was never released"
-                )
-
-
-class StepLog:
-    """An on_step callback that keeps what each step showed (slots copied at that moment)."""
-
-    def __init__(self):
-        self.steps = []  # (kind, request, [requests in slots])
-        self.finished = {}  # prompt_idx -> generated tokens
-
-    def __call__(self, step):
-        occupants = [r for r in step.slots if r is not None]
-        self.steps.append((step.kind, step.request, occupants))
-        if step.kind == "finish":
-            self.finished[step.request.prompt_idx] = list(step.request.generated)
-
-    def kinds(self):
-        return [kind for kind, _, _ in self.steps]
-
-    def max_occupancy(self):
-        return max((len(occupants) for _, _, occupants in self.steps), default=0)
-
-
-class ModelProxy:
-    """Forwards to the model, counts prefill calls (a whole prompt at offset 0) and decode
-    calls (one token per row), and can raise Boom right after the n-th call of one kind has
-    run (so its caches were already written)."""
-
-    def __init__(self, model, fail_kind=None, fail_at=None):
-        self.model, self.fail_kind, self.fail_at = model, fail_kind, fail_at
-        self.calls = {"prefill": 0, "decode": 0}
-        self.decode_batch_sizes = []
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-    def __call__(self, tokens, *args, **kwargs):
-        out = self.model(tokens, *args, **kwargs)
-        offset = args[0] if args else kwargs["offset"]
-        kind = "decode" if tokens.shape[1] == 1 and offset != 0 else "prefill"
-        self.calls[kind] += 1
-        if kind == "decode":
-            self.decode_batch_sizes.append(tokens.shape[0])
-        if kind == self.fail_kind and self.calls[kind] == self.fail_at:
-            raise Boom(f"injected fault in {kind} call {self.fail_at}")
-        return out
-
-
-class TokenizerProxy:
-    """Forwards to the tokenizer; may replace eos_token_ids, and may make the n-th
-    detokenizer add_token call (over all requests) raise Boom."""
-
-    def __init__(self, tokenizer, eos_token_ids=None, fail_add_at=None):
-        self.tokenizer = tokenizer
-        self.eos_token_ids = set(
-            tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
-        )
-        self.fail_add_at = fail_add_at
-        self.adds = 0
-
-    def __getattr__(self, name):
-        return getattr(self.tokenizer, name)
-
-    def detokenizer(self):
-        detok = self.tokenizer.detokenizer()
-        add_token = detok.add_token
-
-        def counted_add_token(token):
-            self.adds += 1
-            if self.adds == self.fail_add_at:
-                raise Boom(f"injected fault in add_token call {self.adds}")
-            return add_token(token)
-
-        detok.add_token = counted_add_token
-        return detok
-
-
-def prompt_with_tokens(tokenizer, n):
-    """A prompt that encodes to exactly n tokens."""
-    base = "The quick brown fox jumps over the lazy dog. " * 4
-    for end in range(1, len(base) + 1):
-        if len(tokenizer.encode(base[:end])) == n:
-            return base[:end]
-    raise AssertionError(f"no prefix of the base text has {n} tokens")
 
 
 def random_kv(rng, length, heads=2, dim=8):
@@ -397,7 +283,7 @@ def test_batched_equals_single_request(
 
 def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
     prompts = PROMPTS[:7]  # more prompts than slots
-    proxy = ModelProxy(model)
+    proxy = ModelSpy(model)
     log = StepLog()
     out = impl.batch_generate(
         proxy,
@@ -424,16 +310,16 @@ def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
     # One batched forward pass per decode step, not one call per decoded token.
     decoded = sum(len(oracle(p)) - 1 for p in prompts)  # the first token comes from prefill
     assert sum(proxy.decode_batch_sizes) == decoded
-    assert proxy.calls["decode"] < decoded
+    assert proxy.count("decode") < decoded
 
 
 def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer, oracle):
     first = oracle("Hello")[0]
     eos = set(tokenizer.eos_token_ids) | {first}
-    proxy_tokenizer = TokenizerProxy(tokenizer, eos_token_ids=eos)
+    proxy_tokenizer = TokenizerSpy(tokenizer, eos_token_ids=eos)
 
     # Alone: exactly one model call (the prefill), no decode step, no empty batch.
-    proxy = ModelProxy(model)
+    proxy = ModelSpy(model)
     log = StepLog()
     out = impl.batch_generate(
         proxy,
@@ -446,7 +332,7 @@ def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer
     )
     assert out == [(0, tokenizer.decode([first]))]
     assert log.finished == {0: [first]}
-    assert proxy.calls == {"prefill": 1, "decode": 0}
+    assert (proxy.count("prefill"), proxy.count("decode")) == (1, 0)
     assert "decode" not in log.kinds()
 
     # Among other prompts: it never takes a slot, the others are unaffected.
@@ -493,6 +379,125 @@ def test_max_seq_len_bounds_prompt_plus_generated(impl, model, tokenizer, oracle
             assert len(want) == count
 
 
+def test_prompts_as_token_ids_equal_their_text(impl, model, tokenizer, oracle):
+    as_text = impl.batch_generate(model, tokenizer, PROMPTS, MAX_SEQ_LEN, 3, WHOLE_PROMPT)
+    as_ids = [tokenizer.encode(p) for p in PROMPTS]
+    mixed = [ids if i % 2 else text for i, (ids, text) in enumerate(zip(as_ids, PROMPTS))]
+    for prompts in (as_ids, mixed):
+        out = impl.batch_generate(model, tokenizer, prompts, MAX_SEQ_LEN, 3, WHOLE_PROMPT)
+        assert out == as_text, "a prompt given as token ids must generate what its text does"
+
+
+def test_max_new_tokens_and_ignore_eos(impl, model, tokenizer, oracle):
+    """Budgets are honoured exactly (one for all, or one per prompt); ignore_eos decodes
+    straight past EOS (with early_eos, "1, 2, 3" meets EOS at its second token)."""
+    prompts, tok = ["1, 2, 3", "Hello", "xyz"], early_eos(tokenizer)
+    log = StepLog()
+    impl.batch_generate(
+        model, tok, prompts, MAX_SEQ_LEN, 2, WHOLE_PROMPT, on_step=log, max_new_tokens=3
+    )
+    for i, p in enumerate(prompts):
+        want = oracle(p, eos=tok.eos_token_ids)[:3]
+        assert log.finished[i] == want, f"max_new_tokens=3, prompt {p!r}"
+    log = StepLog()
+    out = impl.batch_generate(
+        model, tok, prompts, MAX_SEQ_LEN, 2, WHOLE_PROMPT, on_step=log,
+        max_new_tokens=[8, 1, 2], ignore_eos=True,
+    )  # fmt: skip
+    for i, (p, budget) in enumerate(zip(prompts, [8, 1, 2])):
+        want = oracle(p, eos=set())[:budget]
+        assert log.finished[i] == want, f"prompt {p!r}: {budget} tokens, EOS ignored"
+        assert out[i] == (i, tokenizer.decode(want))
+    assert any(t in tok.eos_token_ids for t in log.finished[0][:-1]), (
+        "the test expects EOS inside the first prompt's 8 tokens"
+    )
+
+
+def early_eos(tokenizer):
+    """The tokenizer, with token 82 an EOS too: "1, 2, 3" then meets EOS at its second token."""
+    return TokenizerSpy(tokenizer, eos_token_ids=set(tokenizer.eos_token_ids) | {82})
+
+
+class StandInModel:
+    """Just enough of a model for a Request that never runs it."""
+
+    def __init__(self, vocab_size):
+        self.config = type("Config", (), {"vocab_size": vocab_size})()
+
+    def create_kv_cache(self):
+        return []
+
+
+def test_accept_records_tokens_and_stops_at_each_limit(impl, tokenizer):
+    stand_in = StandInModel(tokenizer.vocab_size)
+    eos = min(tokenizer.eos_token_ids)
+    request = impl.Request(stand_in, tokenizer, [1, 2, 3])
+    request.accept(5)
+    assert request.generated == [5] and not request.is_done, "an ordinary token goes on"
+    request.accept(eos)
+    assert request.generated == [5, eos] and request.is_done, "EOS ends the request"
+
+    request = impl.Request(stand_in, tokenizer, [1, 2, 3], ignore_eos=True, max_new_tokens=3)
+    request.accept(eos)
+    assert not request.is_done, "with ignore_eos, EOS is an ordinary token"
+    request.accept(5)
+    assert not request.is_done
+    request.accept(6)
+    assert request.is_done, "max_new_tokens=3: done at the third generated token"
+
+    request = impl.Request(stand_in, tokenizer, [1, 2, 3], max_seq_len=5)
+    request.accept(5)
+    assert not request.is_done
+    request.accept(6)
+    assert request.is_done, "3 prompt + 2 generated tokens reach max_seq_len=5"
+
+
+def test_accept_finalizes_text_that_ends_inside_a_character(impl, tokenizer):
+    """A request cut off in the middle of a multi-byte character: its text must be the
+    detokenizer's finalized text (the pending bytes flushed), not the streamed prefix."""
+    tokens = tokenizer.encode("naïve café 😀")
+    cut = next(n for n in range(1, len(tokens)) if "\ufffd" in tokenizer.decode(tokens[:n]))
+    request = impl.Request(StandInModel(tokenizer.vocab_size), tokenizer, [1], max_new_tokens=cut)
+    for token in tokens[:cut]:
+        request.accept(token)
+    assert request.is_done
+    finalized = tokenizer.detokenizer()
+    for token in tokens[:cut]:
+        finalized.add_token(token)
+    finalized.finalize()
+    assert request.text() == finalized.text, (
+        "the request ended inside a multi-byte character: accept must call the detokenizer's "
+        "finalize() when the request is done"
+    )
+
+
+def test_decode_step_gives_every_slot_one_token(impl, model, tokenizer, oracle):
+    prompts, tok = ["Hello", "1, 2, 3", "xyz"], early_eos(tokenizer)
+    requests = [
+        impl.Request(model, tok, p, WHOLE_PROMPT, i, MAX_SEQ_LEN) for i, p in enumerate(prompts)
+    ]
+    slots = [requests[0], None, requests[1], requests[2]]
+    batch_cache = [impl.BatchingKvCache(4) for _ in range(model.num_hidden_layers)]
+    for slot, request in enumerate(slots):
+        if request is not None:
+            request.try_prefill()
+            for layer_cache, request_cache in zip(batch_cache, request.kv_cache):
+                layer_cache.add_request(request_cache, slot)
+    finished = []
+    try:
+        for step in range(5):
+            impl.decode_step(model, slots, batch_cache, finished.append)
+            for request, prompt in zip(requests, prompts):
+                want = oracle(prompt, eos=tok.eos_token_ids)[: step + 2]
+                assert request.generated == want, f"decode step {step}, prompt {prompt!r}"
+        assert finished == [requests[1]], "the request that met EOS is handed to finish"
+        assert slots == [requests[0], None, None, requests[2]], "its slot is freed"
+        assert batch_cache[0].active_slots == [0, 3], "and its cache leaves the batch"
+    finally:
+        for layer_cache in batch_cache:
+            layer_cache.release()
+
+
 # --- limits ----------------------------------------------------------------------------------
 
 
@@ -511,22 +516,30 @@ def test_bad_limits_raise_before_any_cache(impl, model, tokenizer, monkeypatch, 
     assert all(pool.num_allocations == 0 for pool in pools)
 
 
-@pytest.mark.parametrize("bad", ["too long", "empty"])
+@pytest.mark.parametrize(
+    "bad", ["too long", "empty", "empty ids", "id outside the vocabulary", "budget 0", "budgets"]
+)
 def test_bad_prompt_raises_before_any_cache(impl, model, tokenizer, monkeypatch, bad):
     # The bad prompt comes after good ones: checking lazily, at admission, is too late.
-    long_prompt = prompt_with_tokens(tokenizer, MAX_SEQ_LEN + 1)
-    prompts = ["Hello", "xyz", long_prompt if bad == "too long" else ""]
+    last = {
+        "too long": prompt_with_tokens(tokenizer, MAX_SEQ_LEN + 1),
+        "empty": "",
+        "empty ids": [],
+        "id outside the vocabulary": [1, tokenizer.vocab_size + 5],
+    }.get(bad, "How are you?")
+    budget = {"budget 0": 0, "budgets": [4, 4]}.get(bad)  # "budgets": 2 limits for 3 prompts
     pools = model.create_kv_pools(page_size=4)
     tracker = CacheTracker(monkeypatch, model)
     with pytest.raises(ValueError):
         impl.batch_generate(
             model,
             tokenizer,
-            prompts,
+            ["Hello", "xyz", last],
             max_seq_len=MAX_SEQ_LEN,
             batch_size=2,
             prefill_step=WHOLE_PROMPT,
             pools=pools,
+            max_new_tokens=budget,
         )
     assert tracker.created == [], "no request cache may exist when the input is refused"
     assert all(pool.num_allocations == 0 for pool in pools)
@@ -534,9 +547,9 @@ def test_bad_prompt_raises_before_any_cache(impl, model, tokenizer, monkeypatch,
 
 def test_no_prompts_returns_empty_list(impl, model, tokenizer, monkeypatch):
     tracker = CacheTracker(monkeypatch, model)
-    proxy = ModelProxy(model)
+    proxy = ModelSpy(model)
     assert impl.batch_generate(proxy, tokenizer, [], max_seq_len=MAX_SEQ_LEN) == []
-    assert tracker.created == [] and proxy.calls == {"prefill": 0, "decode": 0}
+    assert tracker.created == [] and proxy.calls == []
 
 
 # --- faults ----------------------------------------------------------------------------------
@@ -560,10 +573,10 @@ def test_fault_propagates_and_releases_everything(
     prompts = ["Hello", "The quick brown fox jumps over the lazy dog.", "xyz", "How are you?"]
     pools = model.create_kv_pools(page_size=4) if paged else None
     tracker = CacheTracker(monkeypatch, model)
-    proxy = ModelProxy(model, fail_kind=kind, fail_at=n) if where == "model" else model
-    tok = TokenizerProxy(tokenizer, fail_add_at=n if where == "add_token" else None)
+    proxy = ModelSpy(model, fail_after=nth_call_of(kind, n)) if where == "model" else model
+    tok = TokenizerSpy(tokenizer, fail_add_at=n if where == "add_token" else None)
     log = StepLog()
-    with pytest.raises(Boom):
+    with pytest.raises(Injected):
         impl.batch_generate(
             proxy,
             tok,

@@ -10,26 +10,13 @@ Everything runs the tiny GQA checkpoint on the CPU in float32.
 """
 
 from collections import Counter
-from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import Call, Injected, ModelSpy, TokenizerSpy, prompt_with_tokens, release_all
 
 from tiny_llm_support import Tokenizer
-
-# A fixed text whose prefixes give every token count we need (see prompt_with_tokens).
-CORPUS = (
-    "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 3
-)
-
-
-def prompt_with_tokens(tokenizer: Tokenizer, n: int) -> str:
-    """The shortest prefix of CORPUS that the tokenizer encodes to exactly n tokens."""
-    for end in range(1, len(CORPUS) + 1):
-        if len(tokenizer.encode(CORPUS[:end])) == n:
-            return CORPUS[:end]
-    raise AssertionError(f"no prefix of the corpus has {n} tokens")
 
 
 @pytest.fixture(scope="module")
@@ -40,41 +27,6 @@ def model(impl, tiny_gqa_ckpt):
 @pytest.fixture(scope="module")
 def tokenizer(tiny_gqa_ckpt) -> Tokenizer:
     return tiny_gqa_ckpt.tokenizer
-
-
-class Injected(RuntimeError):
-    """The failure the tests inject; anything else escaping batch_generate is a real bug."""
-
-
-@dataclass
-class Call:
-    shape: tuple[int, ...]
-    offset: object
-    tokens: list
-    cache: list
-
-
-class RecordingModel:
-    """Stands in for a Qwen3Model: records every call, then delegates (or raises on demand)."""
-
-    def __init__(self, model, fail=None):
-        self._model = model
-        self._fail = fail  # fail(calls) -> True: raise Injected instead of running this call
-        self.calls: list[Call] = []
-
-    def __getattr__(self, name):
-        return getattr(self._model, name)
-
-    def __call__(self, tokens, offset, cache, *args, **kwargs):
-        self.calls.append(Call(tuple(tokens.shape), offset, tokens.tolist(), cache))
-        if self._fail is not None and self._fail(self.calls):
-            raise Injected(f"model call {len(self.calls)}")
-        return self._model(tokens, offset, cache, *args, **kwargs)
-
-
-def release_all(cache) -> None:
-    for layer_cache in cache:
-        layer_cache.release()
 
 
 def make_cache(model, kind: str):
@@ -113,7 +65,7 @@ def flatten(args) -> list:
 def test_try_prefill_runs_one_chunk_per_call(impl, model, tokenizer, length):
     step = 4
     prompt = prompt_with_tokens(tokenizer, length)
-    spy = RecordingModel(model)
+    spy = ModelSpy(model)
     request = impl.Request(spy, tokenizer, prompt, prefill_max_step=step)
     ids = request.prompt_tokens
     assert len(ids) == length
@@ -246,6 +198,40 @@ def test_chunked_prefill_logits_equal_one_shot(model, tokenizer, kind, chunk):
     release_all(one_shot_cache)
     if pools is not None:
         assert all(pool.num_in_use == 0 for pool in pools)
+
+
+def test_later_chunks_are_rotated_at_their_absolute_positions(impl, model, tokenizer, monkeypatch):
+    """The classic chunking bug, isolated: RoPE must see positions start..start+L-1 for the
+    chunk that starts at `start`, not 0..L-1. Every RoPE call made by each try_prefill is
+    recorded (one int offset, one per row, or an array of positions)."""
+    rope_type = type(model.layers[0].self_attn.rope)
+    rotate, seen = rope_type.__call__, []
+
+    def spy(self, x, offset=0):
+        b, l = x.shape[:2]
+        if isinstance(offset, mx.array):
+            seen.append(np.array(offset).reshape(b, l)[0].tolist())
+        else:
+            first = offset if isinstance(offset, int) else offset[0]
+            seen.append(list(range(first, first + l)))
+        return rotate(self, x, offset)
+
+    monkeypatch.setattr(rope_type, "__call__", spy)
+    request = impl.Request(model, tokenizer, prompt_with_tokens(tokenizer, 10), prefill_max_step=4)
+    try:
+        for start in (0, 4, 8):
+            seen.clear()
+            request.try_prefill()
+            want = list(range(start, min(start + 4, 10)))
+            assert seen, "try_prefill ran no RoPE through the model's layers"
+            for positions in seen:
+                assert positions == want, (
+                    f"the chunk of prompt tokens {want[0]}..{want[-1]} was rotated at positions "
+                    f"{positions[0]}..{positions[-1]}: a later chunk's RoPE positions must start "
+                    f"at its absolute offset ({start}, the tokens already in the cache), not at 0"
+                )
+    finally:
+        request.release()
 
 
 # --- Task 3: materialize hooks -------------------------------------------------------------
@@ -438,35 +424,6 @@ def test_batch_generate_text_does_not_depend_on_prefill_step(
 FAIL_PROMPT_TOKENS = [6, 20, 12]
 
 
-class FailingTokenizer:
-    """A tokenizer whose detokenizers raise on the n-th token added, counted across requests."""
-
-    def __init__(self, tokenizer: Tokenizer, fail_at: int, on_fail=lambda: None):
-        self._tokenizer, self._fail_at, self.added = tokenizer, fail_at, 0
-        self.on_fail = on_fail
-
-    def __getattr__(self, name):
-        return getattr(self._tokenizer, name)
-
-    def detokenizer(self):
-        return FailingDetokenizer(self._tokenizer.detokenizer(), self)
-
-
-class FailingDetokenizer:
-    def __init__(self, inner, owner: FailingTokenizer):
-        self._inner, self._owner = inner, owner
-
-    def __getattr__(self, name):
-        return getattr(self._inner, name)
-
-    def add_token(self, token: int):
-        self._owner.added += 1
-        if self._owner.added == self._owner._fail_at:
-            self._owner.on_fail()
-            raise Injected(f"detokenizing token {self._owner.added}")
-        return self._inner.add_token(token)
-
-
 def is_later_prefill(call: Call) -> bool:
     return isinstance(call.offset, int) and call.offset > 0 and call.shape[1] > 1
 
@@ -487,23 +444,23 @@ def test_failure_anywhere_returns_every_page(impl, model, tokenizer, monkeypatch
 
     runner, tok = model, tokenizer
     if where == "prefill":  # the third chunk that lands on a non-empty cache
-        runner = RecordingModel(
+        runner = ModelSpy(
             model,
-            fail=lambda calls: (
+            fail_before=lambda calls: (
                 is_later_prefill(calls[-1])
                 and sum(map(is_later_prefill, calls)) == 3
                 and note_failure()
             ),
         )
     elif where == "decode":
-        runner = RecordingModel(
+        runner = ModelSpy(
             model,
-            fail=lambda calls: (
+            fail_before=lambda calls: (
                 is_decode(calls[-1]) and sum(map(is_decode, calls)) == 6 and note_failure()
             ),
         )
     elif where == "detokenize":
-        tok = FailingTokenizer(tokenizer, fail_at=8, on_fail=note_failure)
+        tok = TokenizerSpy(tokenizer, fail_add_at=8, on_fail=note_failure)
     else:
         real = impl.TinyKvPagedCache.materialize
         calls = [0]

@@ -32,7 +32,9 @@ class SimpleMultiHeadAttention:
         wo: mx.array,
     ):
         if hidden_size % num_heads != 0:
-            raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+            raise ValueError(
+                f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}"
+            )
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
@@ -64,4 +66,6 @@ def scaled_dot_product_attention_grouped(
     query [..., H_q, L, D]; key/value [..., H, S, D] with H_q a multiple of H.
     mask: None, "causal" (square, L == S) or an additive array broadcastable to [..., H_q, L, S].
     """
-    raise NotImplementedError("Week 1 Day 3, Task 1: implement grouped-query attention with a square causal mask")
+    raise NotImplementedError(
+        "Week 1 Day 3, Task 1: implement grouped-query attention with a square causal mask"
+    )

@@ -21,23 +21,31 @@ from .qwen3 import Qwen3Model
 
 
 class Request:
-    """One prompt on its way through prefill and decode, with its own per-layer caches."""
+    """One prompt on its way through prefill and decode, with its own per-layer caches.
+
+    `prompt` is text (encoded here) or a list of token ids. A request is done at an EOS token
+    (unless ignore_eos), after max_new_tokens generated tokens, or when prompt plus generated
+    tokens reach max_seq_len, whichever comes first. prefill_max_step is the chunk budget,
+    the same setting as batch_generate's prefill_step.
+    """
 
     def __init__(
         self,
         model: Qwen3Model,
         tokenizer: Tokenizer,
-        prompt: str,
+        prompt: str | list[int],
         prefill_max_step: int = 128,
         prompt_idx: int = 0,
         max_seq_len: int | None = None,
         pools: list[TinyKvPagedPool] | None = None,
+        max_new_tokens: int | None = None,
+        ignore_eos: bool = False,
     ):
         if prefill_max_step < 1:
             raise ValueError(f"prefill_max_step must be >= 1, got {prefill_max_step}")
-        tokens = tokenizer.encode(prompt)
-        if not tokens:
-            raise ValueError(f"prompt {prompt_idx} has no tokens")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or None, got {max_new_tokens}")
+        tokens = prompt_tokens(tokenizer, prompt, model.config.vocab_size, prompt_idx)
         if max_seq_len is not None and len(tokens) > max_seq_len:
             raise ValueError(
                 f"prompt {prompt_idx} has {len(tokens)} tokens, more than max_seq_len={max_seq_len}"
@@ -47,7 +55,8 @@ class Request:
         self.prompt_tokens = tokens
         self.prefill_max_step = prefill_max_step
         self.max_seq_len = max_seq_len
-        self.eos_token_ids = tokenizer.eos_token_ids
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_ids = frozenset() if ignore_eos else frozenset(tokenizer.eos_token_ids)
         self.detokenizer = tokenizer.detokenizer()
         self.generated: list[int] = []
         self.offset = 0  # tokens in the cache
@@ -64,14 +73,19 @@ class Request:
 
     def try_prefill(self) -> None:
         """Run the next slice of at most prefill_max_step prompt tokens at its absolute offset."""
-        raise NotImplementedError("Week 3 Day 1, Task 3: prefill the prompt (Week 3 Day 2, Task 1 makes it chunked)")
+        raise NotImplementedError(
+            "Week 3 Day 1, Task 3 and Week 3 Day 2, Task 1: prefill the prompt in chunks"
+        )
 
     def decode_done(self, token: int) -> None:
         """The last accepted token is now in the cache; `token` is the next one."""
         raise NotImplementedError("Week 3 Day 1, Task 4: accept a decoded token")
 
-    def _accept(self, token: int) -> None:
-        raise NotImplementedError("Week 3 Day 1, Task 4: record a token and decide whether the request is done")
+    def accept(self, token: int) -> None:
+        """Record a generated token and decide whether the request is done."""
+        raise NotImplementedError(
+            "Week 3 Day 1, Task 4: record a token, stop at EOS or at a length limit"
+        )
 
     def text(self) -> str:
         return self.detokenizer.text
@@ -81,16 +95,43 @@ class Request:
             layer_cache.release()
 
 
+def prompt_tokens(
+    tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int, prompt_idx: int = 0
+) -> list[int]:
+    """The token ids of a prompt given as text or as ids; an empty prompt or an id outside the
+    vocabulary is an error naming the prompt."""
+    if isinstance(prompt, str):
+        tokens = tokenizer.encode(prompt)
+    else:
+        tokens = list(prompt)
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {prompt_idx} has token ids outside 0..{vocab_size - 1}: {bad[:5]}"
+            )
+    if not tokens:
+        raise ValueError(f"prompt {prompt_idx} has no tokens")
+    return tokens
+
+
 @dataclass
 class BatchStep:
-    """What one scheduler iteration did, for progress views and measurements."""
+    """What one scheduler event did, for progress views and measurements.
 
-    kind: str  # "prefill", "decode" or "finish"
-    request: Request | None  # the prefilled or finished request
+    kind "prefill": a prompt chunk of `tokens` rows ran for `request`; "decode": every request
+    in a slot got one token (`tokens` rows); "finish": `request` is done and released.
+    `slots` is a copy of the slot list at the moment of the event; `forward_pass` counts the
+    model calls of this batch_generate call, so events of the same pass share it.
+    """
+
+    kind: str
+    request: Request | None
     slots: list[Request | None]
+    tokens: int = 0
+    forward_pass: int = 0
 
 
-def _check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
+def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
     for name, value in [
         ("max_seq_len", max_seq_len),
         ("batch_size", batch_size),
@@ -100,21 +141,39 @@ def _check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> list[int | None]:
+    """One max_new_tokens per prompt, from None, one int for all, or a list with one each."""
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
+    for idx, budget in enumerate(budgets):
+        if budget is not None and budget < 1:
+            raise ValueError(f"max_new_tokens of prompt {idx} must be >= 1, got {budget}")
+    return budgets
+
+
 def batch_generate(
     model: Qwen3Model,
     tokenizer: Tokenizer,
-    prompts: list[str],
+    prompts: list[str | list[int]],
     max_seq_len: int = 512,
     batch_size: int = 5,
     prefill_step: int = 128,
     pools: list[TinyKvPagedPool] | None = None,
     on_step: Callable[[BatchStep], None] | None = None,
+    max_new_tokens: int | list[int | None] | None = None,
+    ignore_eos: bool = False,
 ) -> list[tuple[int, str]]:
-    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order."""
+    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
+
+    prefill_step is the chunk budget (Request's prefill_max_step). Prompts are text or token
+    ids; max_new_tokens is one limit for all or one per prompt. Every prompt and limit is
+    checked before any cache exists.
+    """
     raise NotImplementedError("Week 3 Day 1, Task 5: the continuous-batching scheduler loop")
 
 
-def _decode_step(
+def decode_step(
     model: Qwen3Model,
     slots: list[Request | None],
     batch_cache: list[BatchingKvCache],

@@ -49,9 +49,7 @@ class TinyKvFullCache(TinyKvCache):
     def offset(self) -> int:
         return self._offset
 
-    def update_and_fetch(
-        self, key: mx.array, value: mx.array
-    ) -> tuple[mx.array, mx.array, None]:
+    def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         # key/value [B, H, L, D]
         raise NotImplementedError("Week 2 Day 1, Task 1: append to the dense KV cache")
 
@@ -66,7 +64,9 @@ class TinyKvFullCache(TinyKvCache):
         self.keys, self.values = keys, values
 
     def materialize(self) -> None:
-        raise NotImplementedError("Week 3 Day 2, Task 3: evaluate the dense cache's key/value arrays")
+        raise NotImplementedError(
+            "Week 3 Day 2, Task 3: evaluate the dense cache's key/value arrays"
+        )
 
     def release(self) -> None:
         self.keys, self.values = None, None

@@ -46,7 +46,9 @@ class TinyKvPagedPool:
         return self.num_pages - len(self.free_pages)
 
     def can_allocate(self, n: int) -> bool:
-        raise NotImplementedError("Week 2 Day 2, Task 1: count the pages the pool can still hand out")
+        raise NotImplementedError(
+            "Week 2 Day 2, Task 1: count the pages the pool can still hand out"
+        )
 
     def allocate(self) -> int:
         """Hand out a free page, reusing a released one before creating a new one."""
@@ -87,14 +89,14 @@ class TinyKvPagedCache(TinyKvCache):
         if key.dtype != pool.dtype or value.dtype != pool.dtype:
             raise ValueError(f"pool stores {pool.dtype}, got {key.dtype} and {value.dtype}")
 
-    def update_and_fetch(
-        self, key: mx.array, value: mx.array
-    ) -> tuple[mx.array, mx.array, None]:
+    def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         # key/value [1, H_kv, L, D]
         raise NotImplementedError("Week 2 Day 2, Task 3: append through the page table")
 
     def materialize(self) -> None:
-        raise NotImplementedError("Week 3 Day 2, Task 3: evaluate the pool pages without gathering them")
+        raise NotImplementedError(
+            "Week 3 Day 2, Task 3: evaluate the pool pages without gathering them"
+        )
 
     def release(self) -> None:
         raise NotImplementedError("Week 2 Day 2, Task 4: release every page of the request")

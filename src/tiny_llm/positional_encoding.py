@@ -13,6 +13,14 @@ class RoPE:
     def __init__(self, dims: int, seq_len: int, base: float = 10000.0, traditional: bool = False):
         raise NotImplementedError("Week 1 Day 2, Task 1: precompute the RoPE cos/sin tables")
 
-    def __call__(self, x: mx.array, offset: int | list[int] = 0) -> mx.array:
-        """x [B, L, H, D]; offset: the position of x[:, 0] (one int, or one per row)."""
-        raise NotImplementedError("Week 1 Day 2, Task 2: rotate x by its positions starting at offset")
+    def positions(self, offset: int | list[int], batch: int, length: int) -> mx.array:
+        """[B, L] positions of `length` tokens per row starting at offset (one int for every
+        row, or one per row), checked against the table."""
+        raise NotImplementedError(
+            "Week 1 Day 2, Task 2: positions from one offset or one offset per row"
+        )
+
+    def __call__(self, x: mx.array, offset: int | list[int] | mx.array = 0) -> mx.array:
+        """x [B, L, H, D] rotated by its positions: offset is the position of x[:, 0] (one int,
+        or one per row), or an array of every token's position, [B, L] (Week 3 Day 3)."""
+        raise NotImplementedError("Week 1 Day 2, Task 3: rotate x by its positions")

@@ -10,7 +10,7 @@ from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
-from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention
+from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 
 
 def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
@@ -25,14 +25,51 @@ def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
 class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
     """Qwen3 attention that appends its keys/values to a cache and attends over all of it."""
 
-    def __call__(self, x: mx.array, offset: int | list[int], cache: TinyKvCache) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        offset: int | list[int],
+        cache: TinyKvCache,
+        mask: mx.array | str | None = None,
+    ) -> mx.array:
+        """x [B, L, E] at positions offset.. -> [B, L, E]. mask: the model's mask for L new
+        queries over the cache, built once per forward pass; None builds it here, and a cache
+        that returns its own mask overrides both."""
         raise NotImplementedError("Week 2 Day 1, Task 2: attention with a KV cache and an offset")
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, cache: TinyKvCache, mask: mx.array | str | None
+    ) -> mx.array:
+        """Append k/v [B, H_kv, L, D] to the cache and attend q [B, H, L, D] over all of it."""
+        raise NotImplementedError(
+            "Week 2 Day 1, Task 2: append to the cache, then attend over everything in it"
+        )
+
+
+class Qwen3BlockWithCache(Qwen3TransformerBlock):
+    """A transformer block split where attention reads the cache.
+
+    before_attention and after_attention touch each token row on its own (norms, projections,
+    RoPE, the MLP), so they can run over any rows at once and be compiled per input shape
+    (Week 3 Day 3); the attention between them reads each request's own cache.
+    """
+
+    def before_attention(
+        self, x: mx.array, offset: int | list[int] | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.qkv(self.input_layernorm(x), offset)  # q, k, v [B, H(_kv), L, D]
+
+    def after_attention(self, x: mx.array, attention: mx.array) -> mx.array:
+        b, _, l, _ = attention.shape  # attention [B, H, L, D]
+        h = x + linear(attention.swapaxes(1, 2).reshape(b, l, -1), self.self_attn.wo)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, L, E]
 
 
 class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab]."""
 
     attention_cls = Qwen3AttentionWithCache
+    block_cls = Qwen3BlockWithCache
 
     def create_kv_cache(self) -> list[TinyKvFullCache]:
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]

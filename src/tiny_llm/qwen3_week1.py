@@ -42,7 +42,9 @@ class Qwen3MultiHeadAttention:
         rope: RoPE | None = None,
     ):
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm = RMSNorm(head_dim, q_norm, rms_norm_eps)
@@ -50,8 +52,19 @@ class Qwen3MultiHeadAttention:
         # a model passes one RoPE to all its layers: the tables depend only on the positions
         self.rope = rope or RoPE(head_dim, max_seq_len, theta)
 
+    def qkv(
+        self, x: mx.array, offset: int | list[int] | mx.array = 0
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """x [B, L, E] -> queries [B, H, L, D], keys and values [B, H_kv, L, D], rotated by
+        their positions (offset as RoPE takes it)."""
+        raise NotImplementedError(
+            "Week 1 Day 5, Task 1: queries, keys and values with QK-norm and RoPE"
+        )
+
     def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
-        raise NotImplementedError("Week 1 Day 5, Task 1: implement Qwen3 attention (QK-norm, RoPE, GQA)")
+        raise NotImplementedError(
+            "Week 1 Day 5, Task 1: causal grouped-query attention over the whole sequence"
+        )
 
 
 class Qwen3TransformerBlock:
@@ -74,9 +87,15 @@ def checked_weights(ckpt: Checkpoint) -> dict[str, mx.array]:
 
 
 def build_block(
-    c: Qwen3Config, w: dict[str, mx.array], i: int, attention_cls, rope: RoPE
+    c: Qwen3Config,
+    w: dict[str, mx.array],
+    i: int,
+    attention_cls,
+    rope: RoPE,
+    block_cls=Qwen3TransformerBlock,
 ) -> Qwen3TransformerBlock:
-    """Layer i from checked weights, with the given attention class (with or without a cache)."""
+    """Layer i from checked weights, with the given attention and block classes (with or
+    without a cache)."""
     p = f"model.layers.{i}."
     attention = attention_cls(
         c.hidden_size,
@@ -101,7 +120,7 @@ def build_block(
         w[p + "mlp.up_proj.weight"],
         w[p + "mlp.down_proj.weight"],
     )
-    return Qwen3TransformerBlock(
+    return block_cls(
         attention,
         mlp,
         RMSNorm(c.hidden_size, w[p + "input_layernorm.weight"], c.rms_norm_eps),
@@ -113,6 +132,7 @@ class Qwen3ModelWeek1:
     """tokens [B, L] -> logits [B, L, vocab], recomputing the whole sequence each call."""
 
     attention_cls = Qwen3MultiHeadAttention
+    block_cls = Qwen3TransformerBlock
 
     def __init__(self, ckpt: Checkpoint, max_seq_len: int | None = None):
         c = ckpt.config
@@ -124,7 +144,8 @@ class Qwen3ModelWeek1:
         self.dtype = self.embed_tokens.dtype
         rope = RoPE(c.head_dim, self.max_seq_len, c.rope_theta)
         self.layers = [
-            build_block(c, w, i, self.attention_cls, rope) for i in range(c.num_hidden_layers)
+            build_block(c, w, i, self.attention_cls, rope, self.block_cls)
+            for i in range(c.num_hidden_layers)
         ]
         self.norm = RMSNorm(c.hidden_size, w["model.norm.weight"], c.rms_norm_eps)
         self.lm_head = w["lm_head.weight"]  # [V, E], the embedding itself when tied

@@ -19,9 +19,11 @@ def make_sampler(
     cut to the top_k largest and to the smallest set whose probability reaches top_p,
     and one token is drawn. A seed makes the draws reproducible.
     """
-    raise NotImplementedError("Week 1 Day 6, Task 2: implement the sampler (temperature, top-k, top-p)")
+    raise NotImplementedError(
+        "Week 1 Day 6, Task 2: implement the sampler (temperature, top-k, top-p)"
+    )
 
 
-def _keep_top_p(scaled: mx.array, top_p: float) -> mx.array:
+def keep_top_p(scaled: mx.array, top_p: float) -> mx.array:
     """Mask every token outside the smallest most-likely set with probability >= top_p."""
     raise NotImplementedError("Week 1 Day 6, Task 2: implement top-p filtering")

@@ -1,4 +1,7 @@
-"""tiny_llm_ref: the reference solution of the tiny-llm course."""
+"""The tiny-llm engine, a Qwen3 inference engine on MLX.
+
+The student package is generated from the reference solution by `pdm run make-skeleton`: there,
+each exercise raises NotImplementedError naming its day and task until it is written."""
 
 from .attention import (
     SimpleMultiHeadAttention,
@@ -7,7 +10,7 @@ from .attention import (
     scaled_dot_product_attention_simple,
 )
 from .basics import linear, silu, softmax
-from .batch import BatchStep, Request, batch_generate
+from .batch import BatchStep, Request, batch_generate, decode_step
 from .batching_kv_cache import BatchingKvCache
 from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
@@ -22,7 +25,7 @@ from .qwen3_week1 import (
     Qwen3TransformerBlock,
     take_weight,
 )
-from .sampler import make_sampler
+from .sampler import keep_top_p, make_sampler
 
 __all__ = [
     "BatchStep",
@@ -45,6 +48,8 @@ __all__ = [
     "attention_mask",
     "batch_generate",
     "causal_mask",
+    "decode_step",
+    "keep_top_p",
     "linear",
     "make_sampler",
     "scaled_dot_product_attention_grouped",

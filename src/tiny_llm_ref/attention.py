@@ -16,11 +16,13 @@ def scaled_dot_product_attention_simple(
     mask: mx.array | None = None,
 ) -> mx.array:
     """query [..., L, D], key/value [..., S, D], additive mask broadcastable to [..., L, S]."""
+    # BEGIN TASK Week 1 Day 1, Task 3: implement scaled dot-product attention
     factor = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
     scores = (query @ key.swapaxes(-2, -1)) * factor  # [..., L, S]
     if mask is not None:
         scores = scores + mask
     return softmax(scores, axis=-1) @ value  # [..., L, D]
+    # END TASK
 
 
 class SimpleMultiHeadAttention:
@@ -36,7 +38,9 @@ class SimpleMultiHeadAttention:
         wo: mx.array,
     ):
         if hidden_size % num_heads != 0:
-            raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
+            raise ValueError(
+                f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}"
+            )
         self.hidden_size = hidden_size
         self.num_heads = num_heads
         self.head_dim = hidden_size // num_heads
@@ -45,6 +49,7 @@ class SimpleMultiHeadAttention:
     def __call__(
         self, query: mx.array, key: mx.array, value: mx.array, mask: mx.array | None = None
     ) -> mx.array:
+        # BEGIN TASK Week 1 Day 1, Task 4: implement multi-head attention
         n, l_q, _ = query.shape  # query [N, L, E]; key/value [N, S, E]
         s = key.shape[1]
         h, d = self.num_heads, self.head_dim
@@ -54,6 +59,7 @@ class SimpleMultiHeadAttention:
         out = scaled_dot_product_attention_simple(q, k, v, mask=mask)  # [N, H, L, D]
         out = out.swapaxes(1, 2).reshape(n, l_q, h * d)  # [N, L, E]
         return linear(out, self.wo)
+        # END TASK
 
 
 def causal_mask(L: int, S: int, dtype: mx.Dtype = mx.float32) -> mx.array:
@@ -61,10 +67,12 @@ def causal_mask(L: int, S: int, dtype: mx.Dtype = mx.float32) -> mx.array:
 
     Query row i sits at absolute position S - L + i and may see keys 0 ..= S - L + i.
     """
+    # BEGIN TASK Week 3 Day 2, Task 2: build the rectangular L x S causal mask
     if L < 1 or S < L:
         raise ValueError(f"a causal mask needs 1 <= L <= S, got L={L}, S={S}")
     blocked = mx.triu(mx.ones((L, S), dtype=mx.bool_), k=S - L + 1)  # True above the diagonal
     return mx.where(blocked, mx.array(-mx.inf, dtype=dtype), mx.array(0, dtype=dtype))
+    # END TASK
 
 
 def scaled_dot_product_attention_grouped(
@@ -79,6 +87,7 @@ def scaled_dot_product_attention_grouped(
     query [..., H_q, L, D]; key/value [..., H, S, D] with H_q a multiple of H.
     mask: None, "causal" (square, L == S) or an additive array broadcastable to [..., H_q, L, S].
     """
+    # BEGIN TASK Week 1 Day 3, Task 1: implement grouped-query attention with a square causal mask
     *batch, h_q, l_q, d = query.shape
     h, s = key.shape[-3], key.shape[-2]
     if h_q % h != 0:
@@ -104,3 +113,4 @@ def scaled_dot_product_attention_grouped(
 
     out = softmax(scores, axis=-1) @ v  # [..., H, n_rep, L, D]
     return out.reshape(*batch, h_q, l_q, d)
+    # END TASK

@@ -21,23 +21,31 @@ from .qwen3 import Qwen3Model
 
 
 class Request:
-    """One prompt on its way through prefill and decode, with its own per-layer caches."""
+    """One prompt on its way through prefill and decode, with its own per-layer caches.
+
+    `prompt` is text (encoded here) or a list of token ids. A request is done at an EOS token
+    (unless ignore_eos), after max_new_tokens generated tokens, or when prompt plus generated
+    tokens reach max_seq_len, whichever comes first. prefill_max_step is the chunk budget,
+    the same setting as batch_generate's prefill_step.
+    """
 
     def __init__(
         self,
         model: Qwen3Model,
         tokenizer: Tokenizer,
-        prompt: str,
+        prompt: str | list[int],
         prefill_max_step: int = 128,
         prompt_idx: int = 0,
         max_seq_len: int | None = None,
         pools: list[TinyKvPagedPool] | None = None,
+        max_new_tokens: int | None = None,
+        ignore_eos: bool = False,
     ):
         if prefill_max_step < 1:
             raise ValueError(f"prefill_max_step must be >= 1, got {prefill_max_step}")
-        tokens = tokenizer.encode(prompt)
-        if not tokens:
-            raise ValueError(f"prompt {prompt_idx} has no tokens")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 or None, got {max_new_tokens}")
+        tokens = prompt_tokens(tokenizer, prompt, model.config.vocab_size, prompt_idx)
         if max_seq_len is not None and len(tokens) > max_seq_len:
             raise ValueError(
                 f"prompt {prompt_idx} has {len(tokens)} tokens, more than max_seq_len={max_seq_len}"
@@ -47,7 +55,8 @@ class Request:
         self.prompt_tokens = tokens
         self.prefill_max_step = prefill_max_step
         self.max_seq_len = max_seq_len
-        self.eos_token_ids = tokenizer.eos_token_ids
+        self.max_new_tokens = max_new_tokens
+        self.eos_token_ids = frozenset() if ignore_eos else frozenset(tokenizer.eos_token_ids)
         self.detokenizer = tokenizer.detokenizer()
         self.generated: list[int] = []
         self.offset = 0  # tokens in the cache
@@ -64,6 +73,7 @@ class Request:
 
     def try_prefill(self) -> None:
         """Run the next slice of at most prefill_max_step prompt tokens at its absolute offset."""
+        # BEGIN TASK Week 3 Day 1, Task 3 and Week 3 Day 2, Task 1: prefill the prompt in chunks
         if self.is_prefill_done:
             raise ValueError(f"request {self.prompt_idx} is already prefilled")
         start = self.offset
@@ -74,20 +84,30 @@ class Request:
         self.offset = start + len(chunk)
         if self.offset == len(self.prompt_tokens):
             self.is_prefill_done = True
-            self._accept(mx.argmax(logits[0, -1]).item())
+            self.accept(mx.argmax(logits[0, -1]).item())
+        # END TASK
 
     def decode_done(self, token: int) -> None:
         """The last accepted token is now in the cache; `token` is the next one."""
+        # BEGIN TASK Week 3 Day 1, Task 4: accept a decoded token
         self.offset += 1
-        self._accept(token)
+        self.accept(token)
+        # END TASK
 
-    def _accept(self, token: int) -> None:
+    def accept(self, token: int) -> None:
+        """Record a generated token and decide whether the request is done."""
+        # BEGIN TASK Week 3 Day 1, Task 4: record a token, stop at EOS or at a length limit
         self.generated.append(token)
         self.detokenizer.add_token(token)
         total = len(self.prompt_tokens) + len(self.generated)
-        if token in self.eos_token_ids or (self.max_seq_len and total >= self.max_seq_len):
+        if (
+            token in self.eos_token_ids
+            or (self.max_new_tokens is not None and len(self.generated) >= self.max_new_tokens)
+            or (self.max_seq_len is not None and total >= self.max_seq_len)
+        ):
             self.is_done = True
             self.detokenizer.finalize()
+        # END TASK
 
     def text(self) -> str:
         return self.detokenizer.text
@@ -97,16 +117,43 @@ class Request:
             layer_cache.release()
 
 
+def prompt_tokens(
+    tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int, prompt_idx: int = 0
+) -> list[int]:
+    """The token ids of a prompt given as text or as ids; an empty prompt or an id outside the
+    vocabulary is an error naming the prompt."""
+    if isinstance(prompt, str):
+        tokens = tokenizer.encode(prompt)
+    else:
+        tokens = list(prompt)
+        bad = [t for t in tokens if not isinstance(t, int) or not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt {prompt_idx} has token ids outside 0..{vocab_size - 1}: {bad[:5]}"
+            )
+    if not tokens:
+        raise ValueError(f"prompt {prompt_idx} has no tokens")
+    return tokens
+
+
 @dataclass
 class BatchStep:
-    """What one scheduler iteration did, for progress views and measurements."""
+    """What one scheduler event did, for progress views and measurements.
 
-    kind: str  # "prefill", "decode" or "finish"
-    request: Request | None  # the prefilled or finished request
+    kind "prefill": a prompt chunk of `tokens` rows ran for `request`; "decode": every request
+    in a slot got one token (`tokens` rows); "finish": `request` is done and released.
+    `slots` is a copy of the slot list at the moment of the event; `forward_pass` counts the
+    model calls of this batch_generate call, so events of the same pass share it.
+    """
+
+    kind: str
+    request: Request | None
     slots: list[Request | None]
+    tokens: int = 0
+    forward_pass: int = 0
 
 
-def _check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
+def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
     for name, value in [
         ("max_seq_len", max_seq_len),
         ("batch_size", batch_size),
@@ -116,44 +163,72 @@ def _check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
             raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> list[int | None]:
+    """One max_new_tokens per prompt, from None, one int for all, or a list with one each."""
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
+    for idx, budget in enumerate(budgets):
+        if budget is not None and budget < 1:
+            raise ValueError(f"max_new_tokens of prompt {idx} must be >= 1, got {budget}")
+    return budgets
+
+
 def batch_generate(
     model: Qwen3Model,
     tokenizer: Tokenizer,
-    prompts: list[str],
+    prompts: list[str | list[int]],
     max_seq_len: int = 512,
     batch_size: int = 5,
     prefill_step: int = 128,
     pools: list[TinyKvPagedPool] | None = None,
     on_step: Callable[[BatchStep], None] | None = None,
+    max_new_tokens: int | list[int | None] | None = None,
+    ignore_eos: bool = False,
 ) -> list[tuple[int, str]]:
-    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order."""
-    _check_limits(max_seq_len, batch_size, prefill_step)
-    for idx, prompt in enumerate(prompts):  # every prompt is checked before any cache exists
-        n = len(tokenizer.encode(prompt))
-        if n == 0 or n > max_seq_len:
-            raise ValueError(f"prompt {idx} has {n} tokens; it needs 1..max_seq_len={max_seq_len}")
+    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
+
+    prefill_step is the chunk budget (Request's prefill_max_step). Prompts are text or token
+    ids; max_new_tokens is one limit for all or one per prompt. Every prompt and limit is
+    checked before any cache exists.
+    """
+    # BEGIN TASK Week 3 Day 1, Task 5: the continuous-batching scheduler loop
+    check_limits(max_seq_len, batch_size, prefill_step)
+    budgets = output_budgets(max_new_tokens, len(prompts))
+    vocab = model.config.vocab_size
+    tokens = [prompt_tokens(tokenizer, p, vocab, idx) for idx, p in enumerate(prompts)]
+    for idx, ids in enumerate(tokens):
+        if len(ids) > max_seq_len:
+            raise ValueError(
+                f"prompt {idx} has {len(ids)} tokens, more than max_seq_len={max_seq_len}"
+            )
     report = on_step or (lambda step: None)
-    pending = deque(enumerate(prompts))
+    pending = deque(enumerate(tokens))
     slots: list[Request | None] = [None] * batch_size
     batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
     prefilling: Request | None = None
     results: dict[int, str] = {}
+    passes = 0
 
     def finish(request: Request) -> None:
         request.release()
         results[request.prompt_idx] = request.text()
-        report(BatchStep("finish", request, slots))
+        report(BatchStep("finish", request, list(slots), 0, passes))
 
     try:
         while pending or prefilling or any(slots):
             if prefilling is None and pending and None in slots:
-                idx, prompt = pending.popleft()
+                idx, ids = pending.popleft()
                 prefilling = Request(
-                    model, tokenizer, prompt, prefill_step, idx, max_seq_len, pools
-                )
+                    model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
+                    budgets[idx], ignore_eos,
+                )  # fmt: skip
             if prefilling is not None:
+                before = prefilling.offset
                 prefilling.try_prefill()
-                report(BatchStep("prefill", prefilling, slots))
+                passes += 1
+                chunk = prefilling.offset - before
+                report(BatchStep("prefill", prefilling, list(slots), chunk, passes))
                 if prefilling.is_prefill_done:
                     if prefilling.is_done:
                         finish(prefilling)
@@ -164,23 +239,27 @@ def batch_generate(
                             layer_cache.add_request(request_cache, slot)
                     prefilling = None
             if any(slots):
-                _decode_step(model, slots, batch_cache, finish)
-                report(BatchStep("decode", None, slots))
+                rows = len(slots) - slots.count(None)
+                passes += 1
+                decode_step(model, slots, batch_cache, finish)
+                report(BatchStep("decode", None, list(slots), rows, passes))
     finally:
         for layer_cache in batch_cache:
             layer_cache.release()  # releases the caches of requests still in a slot
         if prefilling is not None:
             prefilling.release()
     return sorted(results.items())
+    # END TASK
 
 
-def _decode_step(
+def decode_step(
     model: Qwen3Model,
     slots: list[Request | None],
     batch_cache: list[BatchingKvCache],
     finish: Callable[[Request], None],
 ) -> None:
     """One token for every active request, in one batched forward pass."""
+    # BEGIN TASK Week 3 Day 1, Task 5: one batched decode step
     active = [i for i, r in enumerate(slots) if r is not None]
     tokens = mx.array([[slots[i].generated[-1]] for i in active])  # [B, 1]
     offsets = [slots[i].offset for i in active]
@@ -194,3 +273,4 @@ def _decode_step(
                 layer_cache.remove_request(i)
             slots[i] = None
             finish(request)
+    # END TASK

@@ -31,22 +31,27 @@ class BatchingKvCache(TinyKvCache):
         return [self.slots[i].offset for i in self.active_slots]
 
     def add_request(self, prefilled: TinyKvCache, slot: int) -> None:
+        # BEGIN TASK Week 3 Day 1, Task 1: put a prefilled request cache into a slot
         if not 0 <= slot < len(self.slots):
             raise ValueError(f"slot {slot} is outside 0..{len(self.slots) - 1}")
         if self.slots[slot] is not None:
             raise ValueError(f"slot {slot} is already taken")
         self.slots[slot] = prefilled
+        # END TASK
 
     def remove_request(self, slot: int) -> TinyKvCache:
+        # BEGIN TASK Week 3 Day 1, Task 1: take a request cache out of its slot
         if not 0 <= slot < len(self.slots) or self.slots[slot] is None:
             raise ValueError(f"slot {slot} holds no request")
         cache, self.slots[slot] = self.slots[slot], None
         return cache
+        # END TASK
 
     def update_and_fetch(
         self, key: mx.array, value: mx.array
     ) -> tuple[mx.array, mx.array, mx.array]:
         # key/value [B, H_kv, 1, D], row b belongs to the b-th active slot
+        # BEGIN TASK Week 3 Day 1, Task 2: batched append with per-row masks
         active = self.active_slots
         if key.shape[0] != len(active) or key.shape[2] != 1:
             raise ValueError(
@@ -68,6 +73,7 @@ class BatchingKvCache(TinyKvCache):
         n = len(rows)
         keys, values = self.keys[:n, :, :s, :], self.values[:n, :, :s, :]  # [B, H_kv, S, D]
         return keys, values, mask[:, None, None, :]  # mask [B, 1, 1, S]
+        # END TASK
 
     def _reserve(self, length: int, like: mx.array) -> None:
         """Make the padded batch hold `length` positions.
@@ -84,8 +90,10 @@ class BatchingKvCache(TinyKvCache):
         self.keys, self.values = mx.zeros(shape, like.dtype), mx.zeros(shape, like.dtype)
 
     def materialize(self) -> None:
+        # BEGIN TASK Week 3 Day 2, Task 3: materialize every active request cache
         for slot in self.active_slots:
             self.slots[slot].materialize()
+        # END TASK
 
     def release(self) -> None:
         """Release every request cache still in a slot and empty the slots."""

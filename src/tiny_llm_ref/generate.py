@@ -24,6 +24,7 @@ def simple_generate(
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
 ) -> Iterator[int]:
     """Yield up to max_tokens new tokens, running the whole sequence through the model each step."""
+    # BEGIN TASK Week 1 Day 6, Task 1: implement the greedy generation loop
     _check_prompt(prompt_tokens, max_tokens)
     sampler = sampler or make_sampler()
     tokens = list(prompt_tokens)
@@ -34,6 +35,7 @@ def simple_generate(
         if token in eos_token_ids:
             return
         tokens.append(token)
+    # END TASK
 
 
 def simple_generate_with_kv_cache(
@@ -44,6 +46,7 @@ def simple_generate_with_kv_cache(
     eos_token_ids: set[int] | frozenset[int] = frozenset(),
 ) -> Iterator[int]:
     """The same tokens as simple_generate, but each step feeds only the newest token."""
+    # BEGIN TASK Week 2 Day 1, Task 4: implement generation with a KV cache
     _check_prompt(prompt_tokens, max_tokens)
     sampler = sampler or make_sampler()
     cache = model.create_kv_cache()
@@ -60,3 +63,4 @@ def simple_generate_with_kv_cache(
     finally:
         for layer_cache in cache:
             layer_cache.release()
+    # END TASK

@@ -49,10 +49,9 @@ class TinyKvFullCache(TinyKvCache):
     def offset(self) -> int:
         return self._offset
 
-    def update_and_fetch(
-        self, key: mx.array, value: mx.array
-    ) -> tuple[mx.array, mx.array, None]:
+    def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         # key/value [B, H, L, D]
+        # BEGIN TASK Week 2 Day 1, Task 1: append to the dense KV cache
         if key.shape != value.shape:
             raise ValueError(f"key {key.shape} and value {value.shape} differ in shape")
         if self.keys is not None:
@@ -66,6 +65,7 @@ class TinyKvFullCache(TinyKvCache):
         self.values[:, :, start:end, :] = value
         self._offset = end
         return self.keys[:, :, :end, :], self.values[:, :, :end, :], None  # [B, H, S, D]
+        # END TASK
 
     def _grow(self, needed: int, like: mx.array) -> None:
         """New buffers with room for `needed` positions, rounded up to a whole step."""
@@ -78,8 +78,10 @@ class TinyKvFullCache(TinyKvCache):
         self.keys, self.values = keys, values
 
     def materialize(self) -> None:
+        # BEGIN TASK Week 3 Day 2, Task 3: evaluate the dense cache's key/value arrays
         if self.keys is not None:
             mx.eval(self.keys, self.values)
+        # END TASK
 
     def release(self) -> None:
         self.keys, self.values = None, None

@@ -14,6 +14,8 @@ class RMSNorm:
         self.eps = eps
 
     def __call__(self, x: mx.array) -> mx.array:
+        # BEGIN TASK Week 1 Day 4, Task 1: implement RMSNorm
         x32 = x.astype(mx.float32)  # [..., D]
         inv_rms = mx.rsqrt(mx.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)  # [..., 1]
         return (self.weight.astype(mx.float32) * (x32 * inv_rms)).astype(x.dtype)
+        # END TASK

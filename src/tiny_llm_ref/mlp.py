@@ -16,5 +16,7 @@ class Qwen3MLP:
         self.w_gate, self.w_up, self.w_down = w_gate, w_up, w_down
 
     def __call__(self, x: mx.array) -> mx.array:
+        # BEGIN TASK Week 1 Day 4, Task 3: implement the SwiGLU MLP
         gate = silu(linear(x, self.w_gate))  # [..., I]
         return linear(gate * linear(x, self.w_up), self.w_down)  # [..., E]
+        # END TASK

@@ -46,12 +46,15 @@ class TinyKvPagedPool:
         return self.num_pages - len(self.free_pages)
 
     def can_allocate(self, n: int) -> bool:
+        # BEGIN TASK Week 2 Day 2, Task 1: count the pages the pool can still hand out
         if self.max_pages is None:
             return True
         return n <= len(self.free_pages) + (self.max_pages - self.num_pages)
+        # END TASK
 
     def allocate(self) -> int:
         """Hand out a free page, reusing a released one before creating a new one."""
+        # BEGIN TASK Week 2 Day 2, Task 1: allocate a page (reuse freed pages first)
         if self.free_pages:
             page = self.free_pages.pop()
         elif self.max_pages is None or self.num_pages < self.max_pages:
@@ -64,25 +67,32 @@ class TinyKvPagedPool:
         self.num_allocations += 1
         self.peak_in_use = max(self.peak_in_use, self.num_in_use)
         return page
+        # END TASK
 
     def free(self, page: int) -> None:
+        # BEGIN TASK Week 2 Day 2, Task 1: return a page to the free list
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page {page} does not belong to this pool")
         if page in self.free_pages:
             raise ValueError(f"page {page} is already free")
         self.free_pages.append(page)
+        # END TASK
 
     def write(self, page: int, start: int, key: mx.array, value: mx.array) -> None:
         """Store key/value [H_kv, n, D] at slots start .. start + n of one page."""
+        # BEGIN TASK Week 2 Day 2, Task 2: write keys/values into a page
         end = start + key.shape[1]
         self.key_pages[page][:, start:end, :] = key
         self.value_pages[page][:, start:end, :] = value
+        # END TASK
 
     def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
         """The first `length` tokens stored in `pages`, as dense [H_kv, length, D] arrays."""
+        # BEGIN TASK Week 2 Day 2, Task 2: read pages back in page-table order
         keys = mx.concatenate([self.key_pages[p] for p in pages], axis=1)[:, :length, :]
         values = mx.concatenate([self.value_pages[p] for p in pages], axis=1)[:, :length, :]
         return keys, values
+        # END TASK
 
 
 class TinyKvPagedCache(TinyKvCache):
@@ -108,10 +118,9 @@ class TinyKvPagedCache(TinyKvCache):
         if key.dtype != pool.dtype or value.dtype != pool.dtype:
             raise ValueError(f"pool stores {pool.dtype}, got {key.dtype} and {value.dtype}")
 
-    def update_and_fetch(
-        self, key: mx.array, value: mx.array
-    ) -> tuple[mx.array, mx.array, None]:
+    def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         # key/value [1, H_kv, L, D]
+        # BEGIN TASK Week 2 Day 2, Task 3: append through the page table
         self._check(key, value)
         size = self.pool.page_size
         length = key.shape[2]
@@ -138,15 +147,20 @@ class TinyKvPagedCache(TinyKvCache):
         self._offset = new_offset
         keys, values = self.pool.gather(self.page_table, new_offset)  # [H_kv, S, D]
         return keys[None], values[None], None  # [1, H_kv, S, D]
+        # END TASK
 
     def materialize(self) -> None:
+        # BEGIN TASK Week 3 Day 2, Task 3: evaluate the pool pages without gathering them
         pool = self.pool
         pages = [pool.key_pages[p] for p in self.page_table]
         pages += [pool.value_pages[p] for p in self.page_table]
         mx.eval(*pages)
+        # END TASK
 
     def release(self) -> None:
+        # BEGIN TASK Week 2 Day 2, Task 4: release every page of the request
         for page in self.page_table:
             self.pool.free(page)
         self.page_table = []
         self._offset = 0
+        # END TASK

@@ -11,6 +11,7 @@ class RoPE:
     """
 
     def __init__(self, dims: int, seq_len: int, base: float = 10000.0, traditional: bool = False):
+        # BEGIN TASK Week 1 Day 2, Task 1: precompute the RoPE cos/sin tables
         if dims % 2 != 0:
             raise ValueError(f"RoPE needs an even number of dims, got {dims}")
         self.dims = dims
@@ -21,21 +22,31 @@ class RoPE:
         angles = mx.arange(seq_len, dtype=mx.float32)[:, None] * inv_freq[None, :]  # [T, D/2]
         self.cos = mx.cos(angles)
         self.sin = mx.sin(angles)
+        # END TASK
 
-    def __call__(self, x: mx.array, offset: int | list[int] = 0) -> mx.array:
-        """x [B, L, H, D]; offset: the position of x[:, 0] (one int, or one per row)."""
+    def positions(self, offset: int | list[int], batch: int, length: int) -> mx.array:
+        """[B, L] positions of `length` tokens per row starting at offset (one int for every
+        row, or one per row), checked against the table."""
+        # BEGIN TASK Week 1 Day 2, Task 2: positions from one offset or one offset per row
+        starts = [offset] * batch if isinstance(offset, int) else list(offset)
+        if len(starts) != batch:
+            raise ValueError(f"{len(starts)} offsets for a batch of {batch} rows")
+        if min(starts) < 0 or max(starts) + length > self.seq_len:
+            raise ValueError(
+                f"positions {min(starts)}..{max(starts) + length - 1} are outside the RoPE table "
+                f"of {self.seq_len} positions"
+            )
+        return mx.array(starts)[:, None] + mx.arange(length)[None, :]  # [B, L]
+        # END TASK
+
+    def __call__(self, x: mx.array, offset: int | list[int] | mx.array = 0) -> mx.array:
+        """x [B, L, H, D] rotated by its positions: offset is the position of x[:, 0] (one int,
+        or one per row), or an array of every token's position, [B, L] (Week 3 Day 3)."""
+        # BEGIN TASK Week 1 Day 2, Task 3: rotate x by its positions
         b, l, _, d = x.shape
         if d != self.dims:
             raise ValueError(f"RoPE was built for {self.dims} dims, got {d}")
-        starts = [offset] * b if isinstance(offset, int) else list(offset)
-        if len(starts) != b:
-            raise ValueError(f"{len(starts)} offsets for a batch of {b} rows")
-        if min(starts) < 0 or max(starts) + l > self.seq_len:
-            raise ValueError(
-                f"positions {min(starts)}..{max(starts) + l - 1} are outside the RoPE table "
-                f"of {self.seq_len} positions"
-            )
-        positions = mx.array(starts)[:, None] + mx.arange(l)[None, :]  # [B, L]
+        positions = offset if isinstance(offset, mx.array) else self.positions(offset, b, l)
         cos = self.cos[positions][:, :, None, :]  # [B, L, 1, D/2]
         sin = self.sin[positions][:, :, None, :]
         if self.traditional:
@@ -49,3 +60,4 @@ class RoPE:
         else:
             y = mx.concatenate([y1, y2], axis=-1)
         return y.astype(x.dtype)
+        # END TASK

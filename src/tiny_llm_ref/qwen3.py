@@ -10,7 +10,7 @@ from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
-from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention
+from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 
 
 def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
@@ -25,25 +25,61 @@ def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
 class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
     """Qwen3 attention that appends its keys/values to a cache and attends over all of it."""
 
-    def __call__(self, x: mx.array, offset: int | list[int], cache: TinyKvCache) -> mx.array:
+    def __call__(
+        self,
+        x: mx.array,
+        offset: int | list[int],
+        cache: TinyKvCache,
+        mask: mx.array | str | None = None,
+    ) -> mx.array:
+        """x [B, L, E] at positions offset.. -> [B, L, E]. mask: the model's mask for L new
+        queries over the cache, built once per forward pass; None builds it here, and a cache
+        that returns its own mask overrides both."""
+        # BEGIN TASK Week 2 Day 1, Task 2: attention with a KV cache and an offset
         b, l, _ = x.shape  # x [B, L, E]
-        h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.q_norm(linear(x, self.wq).reshape(b, l, h, d))  # [B, L, H, D]
-        k = self.k_norm(linear(x, self.wk).reshape(b, l, h_kv, d))  # [B, L, H_kv, D]
-        v = linear(x, self.wv).reshape(b, l, h_kv, d)
-        q = self.rope(q, offset).swapaxes(1, 2)  # [B, H, L, D], positions start at offset
-        k = self.rope(k, offset).swapaxes(1, 2)  # [B, H_kv, L, D]
-        keys, values, mask = cache.update_and_fetch(k, v.swapaxes(1, 2))  # [B, H_kv, S, D]
-        if mask is None:
-            mask = attention_mask(l, keys.shape[2], q.dtype)
-        out = scaled_dot_product_attention_grouped(q, keys, values, mask=mask)  # [B, H, L, D]
-        return linear(out.swapaxes(1, 2).reshape(b, l, h * d), self.wo)  # [B, L, E]
+        q, k, v = self.qkv(x, offset)  # [B, H, L, D], positions start at offset
+        out = self.attend(q, k, v, cache, mask)  # [B, H, L, D]
+        return linear(out.swapaxes(1, 2).reshape(b, l, -1), self.wo)  # [B, L, E]
+        # END TASK
+
+    def attend(
+        self, q: mx.array, k: mx.array, v: mx.array, cache: TinyKvCache, mask: mx.array | str | None
+    ) -> mx.array:
+        """Append k/v [B, H_kv, L, D] to the cache and attend q [B, H, L, D] over all of it."""
+        # BEGIN TASK Week 2 Day 1, Task 2: append to the cache, then attend over everything in it
+        keys, values, cache_mask = cache.update_and_fetch(k, v)  # [B, H_kv, S, D]
+        if cache_mask is not None:
+            mask = cache_mask
+        elif mask is None:
+            mask = attention_mask(q.shape[2], keys.shape[2], q.dtype)
+        return scaled_dot_product_attention_grouped(q, keys, values, mask=mask)  # [B, H, L, D]
+        # END TASK
+
+
+class Qwen3BlockWithCache(Qwen3TransformerBlock):
+    """A transformer block split where attention reads the cache.
+
+    before_attention and after_attention touch each token row on its own (norms, projections,
+    RoPE, the MLP), so they can run over any rows at once and be compiled per input shape
+    (Week 3 Day 3); the attention between them reads each request's own cache.
+    """
+
+    def before_attention(
+        self, x: mx.array, offset: int | list[int] | mx.array
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.qkv(self.input_layernorm(x), offset)  # q, k, v [B, H(_kv), L, D]
+
+    def after_attention(self, x: mx.array, attention: mx.array) -> mx.array:
+        b, _, l, _ = attention.shape  # attention [B, H, L, D]
+        h = x + linear(attention.swapaxes(1, 2).reshape(b, l, -1), self.self_attn.wo)
+        return h + self.mlp(self.post_attention_layernorm(h))  # [B, L, E]
 
 
 class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab]."""
 
     attention_cls = Qwen3AttentionWithCache
+    block_cls = Qwen3BlockWithCache
 
     def create_kv_cache(self) -> list[TinyKvFullCache]:
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
@@ -69,13 +105,20 @@ class Qwen3Model(Qwen3ModelWeek1):
         cache: list[TinyKvCache],
         logits_to_keep: int | None = None,
     ) -> mx.array:
+        # BEGIN TASK Week 2 Day 1, Task 3: the model forward pass with a cache
         if len(cache) != self.num_hidden_layers:
             raise ValueError(f"{len(cache)} layer caches for {self.num_hidden_layers} layers")
         if offset != cache[0].offset:
             raise ValueError(f"offset {offset} does not match the cache offset {cache[0].offset}")
+        length = tokens.shape[1]
+        # one mask for every layer; with one offset per row the batching cache masks its rows
+        mask = (
+            attention_mask(length, offset + length, self.dtype) if isinstance(offset, int) else None
+        )
         h = self.embed_tokens[tokens]  # [B, L, E]
         for layer, layer_cache in zip(self.layers, cache):
-            h = layer(h, offset, layer_cache)
+            h = layer(h, offset, layer_cache, mask)
         if logits_to_keep is not None:
             h = h[:, -logits_to_keep:, :]  # only the rows whose logits the caller needs
         return linear(self.norm(h), self.lm_head)  # [B, L', V]
+        # END TASK

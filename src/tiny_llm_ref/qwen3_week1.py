@@ -42,7 +42,9 @@ class Qwen3MultiHeadAttention:
         rope: RoPE | None = None,
     ):
         if num_heads % num_kv_heads != 0:
-            raise ValueError(f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}")
+            raise ValueError(
+                f"num_heads {num_heads} is not a multiple of num_kv_heads {num_kv_heads}"
+            )
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.wq, self.wk, self.wv, self.wo = wq, wk, wv, wo
         self.q_norm = RMSNorm(head_dim, q_norm, rms_norm_eps)
@@ -50,7 +52,12 @@ class Qwen3MultiHeadAttention:
         # a model passes one RoPE to all its layers: the tables depend only on the positions
         self.rope = rope or RoPE(head_dim, max_seq_len, theta)
 
-    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+    def qkv(
+        self, x: mx.array, offset: int | list[int] | mx.array = 0
+    ) -> tuple[mx.array, mx.array, mx.array]:
+        """x [B, L, E] -> queries [B, H, L, D], keys and values [B, H_kv, L, D], rotated by
+        their positions (offset as RoPE takes it)."""
+        # BEGIN TASK Week 1 Day 5, Task 1: queries, keys and values with QK-norm and RoPE
         b, l, _ = x.shape  # x [B, L, E]
         h, h_kv, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = self.q_norm(linear(x, self.wq).reshape(b, l, h, d))  # [B, L, H, D]
@@ -58,10 +65,17 @@ class Qwen3MultiHeadAttention:
         v = linear(x, self.wv).reshape(b, l, h_kv, d)
         q = self.rope(q, offset).swapaxes(1, 2)  # [B, H, L, D]
         k = self.rope(k, offset).swapaxes(1, 2)  # [B, H_kv, L, D]
-        v = v.swapaxes(1, 2)
+        return q, k, v.swapaxes(1, 2)
+        # END TASK
+
+    def __call__(self, x: mx.array, offset: int = 0) -> mx.array:
+        # BEGIN TASK Week 1 Day 5, Task 1: causal grouped-query attention over the whole sequence
+        b, l, _ = x.shape  # x [B, L, E]
+        q, k, v = self.qkv(x, offset)
         mask = "causal" if l > 1 else None
         out = scaled_dot_product_attention_grouped(q, k, v, mask=mask)  # [B, H, L, D]
-        return linear(out.swapaxes(1, 2).reshape(b, l, h * d), self.wo)  # [B, L, E]
+        return linear(out.swapaxes(1, 2).reshape(b, l, -1), self.wo)  # [B, L, E]
+        # END TASK
 
 
 class Qwen3TransformerBlock:
@@ -74,8 +88,10 @@ class Qwen3TransformerBlock:
         self.post_attention_layernorm = post_attention_norm
 
     def __call__(self, x: mx.array, *attention_args) -> mx.array:
+        # BEGIN TASK Week 1 Day 5, Task 2: implement the transformer block
         h = x + self.self_attn(self.input_layernorm(x), *attention_args)
         return h + self.mlp(self.post_attention_layernorm(h))
+        # END TASK
 
 
 def checked_weights(ckpt: Checkpoint) -> dict[str, mx.array]:
@@ -85,9 +101,15 @@ def checked_weights(ckpt: Checkpoint) -> dict[str, mx.array]:
 
 
 def build_block(
-    c: Qwen3Config, w: dict[str, mx.array], i: int, attention_cls, rope: RoPE
+    c: Qwen3Config,
+    w: dict[str, mx.array],
+    i: int,
+    attention_cls,
+    rope: RoPE,
+    block_cls=Qwen3TransformerBlock,
 ) -> Qwen3TransformerBlock:
-    """Layer i from checked weights, with the given attention class (with or without a cache)."""
+    """Layer i from checked weights, with the given attention and block classes (with or
+    without a cache)."""
     p = f"model.layers.{i}."
     attention = attention_cls(
         c.hidden_size,
@@ -112,7 +134,7 @@ def build_block(
         w[p + "mlp.up_proj.weight"],
         w[p + "mlp.down_proj.weight"],
     )
-    return Qwen3TransformerBlock(
+    return block_cls(
         attention,
         mlp,
         RMSNorm(c.hidden_size, w[p + "input_layernorm.weight"], c.rms_norm_eps),
@@ -124,6 +146,7 @@ class Qwen3ModelWeek1:
     """tokens [B, L] -> logits [B, L, vocab], recomputing the whole sequence each call."""
 
     attention_cls = Qwen3MultiHeadAttention
+    block_cls = Qwen3TransformerBlock
 
     def __init__(self, ckpt: Checkpoint, max_seq_len: int | None = None):
         c = ckpt.config
@@ -135,13 +158,16 @@ class Qwen3ModelWeek1:
         self.dtype = self.embed_tokens.dtype
         rope = RoPE(c.head_dim, self.max_seq_len, c.rope_theta)
         self.layers = [
-            build_block(c, w, i, self.attention_cls, rope) for i in range(c.num_hidden_layers)
+            build_block(c, w, i, self.attention_cls, rope, self.block_cls)
+            for i in range(c.num_hidden_layers)
         ]
         self.norm = RMSNorm(c.hidden_size, w["model.norm.weight"], c.rms_norm_eps)
         self.lm_head = w["lm_head.weight"]  # [V, E], the embedding itself when tied
 
     def __call__(self, tokens: mx.array) -> mx.array:
+        # BEGIN TASK Week 1 Day 5, Task 3: implement the model forward pass
         h = self.embed_tokens[tokens]  # [B, L, E]
         for layer in self.layers:
             h = layer(h)
         return linear(self.norm(h), self.lm_head)  # [B, L, V]
+        # END TASK

@@ -19,6 +19,7 @@ def make_sampler(
     cut to the top_k largest and to the smallest set whose probability reaches top_p,
     and one token is drawn. A seed makes the draws reproducible.
     """
+    # BEGIN TASK Week 1 Day 6, Task 2: implement the sampler (temperature, top-k, top-p)
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if top_k is not None and top_k < 1:
@@ -35,17 +36,19 @@ def make_sampler(
             kth = mx.sort(scaled, axis=-1)[:, -top_k][:, None]  # [B, 1]
             scaled = mx.where(scaled < kth, -mx.inf, scaled)
         if top_p is not None and top_p < 1.0:
-            scaled = _keep_top_p(scaled, top_p)
+            scaled = keep_top_p(scaled, top_p)
         key = None
         if state["key"] is not None:
             state["key"], key = mx.random.split(state["key"])
         return mx.random.categorical(scaled, axis=-1, key=key)
 
     return sample
+    # END TASK
 
 
-def _keep_top_p(scaled: mx.array, top_p: float) -> mx.array:
+def keep_top_p(scaled: mx.array, top_p: float) -> mx.array:
     """Mask every token outside the smallest most-likely set with probability >= top_p."""
+    # BEGIN TASK Week 1 Day 6, Task 2: implement top-p filtering
     order = mx.argsort(-scaled, axis=-1)  # [B, V], most likely first
     sorted_logits = mx.take_along_axis(scaled, order, axis=-1)
     probs = mx.softmax(sorted_logits, axis=-1)
@@ -53,3 +56,4 @@ def _keep_top_p(scaled: mx.array, top_p: float) -> mx.array:
     keep_sorted = before < top_p  # the top token is always kept
     keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
     return mx.where(keep, scaled, -mx.inf)
+    # END TASK

@@ -1,0 +1,181 @@
+"""What the Week 3+ day tests share: prompts of an exact token count, spies on the model, the
+tokenizer and the caches, a log of on_step events, and the fault the tests inject.
+
+    from helpers import Injected, ModelSpy, prompt_with_tokens, ...
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+# A fixed text whose prefixes give every token count the tests need.
+CORPUS = (
+    "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs. " * 3
+)
+
+
+def prompt_with_tokens(tokenizer, n: int) -> str:
+    """The shortest prefix of CORPUS that the tokenizer encodes to exactly n tokens."""
+    for end in range(1, len(CORPUS) + 1):
+        if len(tokenizer.encode(CORPUS[:end])) == n:
+            return CORPUS[:end]
+    raise AssertionError(f"no prefix of the corpus has {n} tokens")
+
+
+def assert_close(actual: mx.array, expected: mx.array, what: str, atol=1e-4, rtol=1e-4) -> None:
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    np.testing.assert_allclose(
+        np.array(actual), np.array(expected), atol=atol, rtol=rtol, err_msg=what
+    )
+
+
+class Injected(Exception):
+    """The fault the tests inject. Not a RuntimeError (NotImplementedError is one): anything
+    else escaping the code under test is a real bug."""
+
+
+@dataclass
+class Call:
+    """One model call as a ModelSpy saw it."""
+
+    shape: tuple[int, ...]
+    offset: object
+    tokens: list
+    cache: list
+
+    @property
+    def kind(self) -> str:
+        """ "decode" for one token per row after a prompt, else "prefill"."""
+        return "decode" if self.shape[1] == 1 and self.offset != 0 else "prefill"
+
+
+class ModelSpy:
+    """Stands in for a Qwen3Model: records every call, then delegates.
+
+    fail_before(calls) -> True raises Injected instead of running the newest call;
+    fail_after(calls) -> True raises Injected right after it ran (its caches are written).
+    """
+
+    def __init__(self, model, fail_before=None, fail_after=None):
+        self._model = model
+        self._fail_before, self._fail_after = fail_before, fail_after
+        self.calls: list[Call] = []
+
+    def __getattr__(self, name):
+        return getattr(self._model, name)
+
+    def __call__(self, tokens, offset, cache, *args, **kwargs):
+        self.calls.append(Call(tuple(tokens.shape), offset, tokens.tolist(), cache))
+        if self._fail_before is not None and self._fail_before(self.calls):
+            raise Injected(f"before model call {len(self.calls)}")
+        out = self._model(tokens, offset, cache, *args, **kwargs)
+        if self._fail_after is not None and self._fail_after(self.calls):
+            raise Injected(f"after model call {len(self.calls)}")
+        return out
+
+    def count(self, kind: str) -> int:
+        return sum(call.kind == kind for call in self.calls)
+
+    @property
+    def decode_batch_sizes(self) -> list[int]:
+        return [call.shape[0] for call in self.calls if call.kind == "decode"]
+
+
+def nth_call_of(kind: str, n: int):
+    """A fail_before / fail_after predicate: true at the n-th call of `kind`."""
+    return lambda calls: calls[-1].kind == kind and sum(c.kind == kind for c in calls) == n
+
+
+class TokenizerSpy:
+    """Forwards to a tokenizer; may replace eos_token_ids, and may make the n-th detokenizer
+    add_token call, counted over all requests, call on_fail() and raise Injected."""
+
+    def __init__(self, tokenizer, eos_token_ids=None, fail_add_at=None, on_fail=lambda: None):
+        self._tokenizer = tokenizer
+        self.eos_token_ids = set(
+            tokenizer.eos_token_ids if eos_token_ids is None else eos_token_ids
+        )
+        self.fail_add_at, self.on_fail = fail_add_at, on_fail
+        self.adds = 0
+
+    def __getattr__(self, name):
+        return getattr(self._tokenizer, name)
+
+    def detokenizer(self):
+        detok = self._tokenizer.detokenizer()
+        add_token = detok.add_token
+
+        def counted_add_token(token):
+            self.adds += 1
+            if self.adds == self.fail_add_at:
+                self.on_fail()
+                raise Injected(f"add_token call {self.adds}")
+            return add_token(token)
+
+        detok.add_token = counted_add_token
+        return detok
+
+
+class CacheTracker:
+    """Records every per-layer cache the model hands out, and whether release() ran on it."""
+
+    def __init__(self, monkeypatch, model):
+        self.created = []  # one list of layer caches per request
+        self.released = set()
+        for name in ("create_kv_cache", "create_paged_kv_cache"):
+            monkeypatch.setattr(model, name, self._wrap(getattr(model, name)))
+
+    def _wrap(self, create):
+        def tracked_create(*args, **kwargs):
+            caches = create(*args, **kwargs)
+            for layer_cache in caches:
+                self._watch(layer_cache)
+            self.created.append(caches)
+            return caches
+
+        return tracked_create
+
+    def _watch(self, layer_cache):
+        release = layer_cache.release
+
+        def tracked_release():
+            self.released.add(id(layer_cache))
+            return release()
+
+        layer_cache.release = tracked_release
+
+    def assert_all_released(self):
+        for n, caches in enumerate(self.created):
+            for layer, layer_cache in enumerate(caches):
+                assert id(layer_cache) in self.released, (
+                    f"the layer-{layer} cache of request cache #{n} was never released"
+                )
+
+
+class StepLog:
+    """An on_step callback that keeps what each event showed (the occupants of the slots at
+    that moment)."""
+
+    def __init__(self):
+        self.events = []  # the BatchStep objects, in order
+        self.steps = []  # (kind, request, [requests in slots])
+        self.finished = {}  # prompt_idx -> generated tokens
+
+    def __call__(self, step):
+        occupants = [r for r in step.slots if r is not None]
+        self.events.append(step)
+        self.steps.append((step.kind, step.request, occupants))
+        if step.kind == "finish":
+            self.finished[step.request.prompt_idx] = list(step.request.generated)
+
+    def kinds(self):
+        return [kind for kind, _, _ in self.steps]
+
+    def max_occupancy(self):
+        return max((len(occupants) for _, _, occupants in self.steps), default=0)
+
+
+def release_all(cache) -> None:
+    for layer_cache in cache:
+        layer_cache.release()
