@@ -39,13 +39,23 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
     shards = int(overrides.pop("shards", 1))
     rope_in_parameters = bool(overrides.pop("rope_in_parameters", False))
     tokenizer_json = tiny_tokenizer_json()
-    config = _tiny_config(tokenizers.Tokenizer.from_str(tokenizer_json), overrides)
+    config = tiny_config(tokenizer_json, overrides)
     if rope_in_parameters:
         config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
     weights = _random_weights(Qwen3Config.from_dict(config, source="make_tiny_checkpoint"), seed)
     if not 1 <= shards <= len(weights):
         raise ValueError(f"shards must be between 1 and {len(weights)}, got {shards}")
+    return write_checkpoint(path, config, weights, tokenizer_json, shards)
 
+
+def write_checkpoint(
+    path: str | Path,
+    config: dict[str, Any],
+    weights: dict[str, mx.array],
+    tokenizer_json: str,
+    shards: int = 1,
+) -> Path:
+    """Write a checkpoint in Hugging Face layout, with the tiny tokenizer's config and template."""
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
@@ -56,7 +66,10 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
     return path
 
 
-def _tiny_config(tok: tokenizers.Tokenizer, overrides: dict[str, Any]) -> dict[str, Any]:
+def tiny_config(tokenizer_json: str, overrides: dict[str, Any]) -> dict[str, Any]:
+    """config.json contents: TINY_DEFAULTS, the tokenizer's vocabulary and special ids, then
+    `overrides`."""
+    tok = tokenizers.Tokenizer.from_str(tokenizer_json)
     vocab = tok.get_vocab_size(with_added_tokens=True)
     if overrides.get("vocab_size", vocab) < vocab:
         raise ValueError(

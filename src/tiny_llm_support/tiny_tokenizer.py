@@ -1,7 +1,8 @@
 """A small deterministic byte-level BPE tokenizer for the synthetic tiny checkpoints.
 
 256 byte tokens, a few hundred merges learned from the built-in corpus below, and the
-Qwen3 special tokens. Any UTF-8 text round-trips, because every byte has a token.
+Qwen3 special tokens. Any UTF-8 text round-trips, because every byte has a token. The trained
+tiny chat model (train_tiny.py) learns its own merges from its corpus with the same code.
 """
 
 from __future__ import annotations
@@ -129,7 +130,13 @@ def _replace_pair(words, i, pair, freq, pair_counts, where) -> None:
 @functools.lru_cache(maxsize=1)
 def tiny_tokenizer_json() -> str:
     """The tokenizer.json text of the tiny tokenizer (deterministic, cached)."""
-    merges = _learn_merges(CORPUS, NUM_MERGES)
+    return byte_bpe_tokenizer_json(CORPUS, NUM_MERGES)
+
+
+def byte_bpe_tokenizer_json(text: str, num_merges: int) -> str:
+    """tokenizer.json text of a byte-level BPE with `num_merges` merges learned from `text`,
+    plus the Qwen3 special tokens (deterministic)."""
+    merges = _learn_merges(text, num_merges)
     vocab = {symbol: i for i, symbol in enumerate(_byte_symbols())}
     for left, right in merges:
         vocab.setdefault(left + right, len(vocab))
