@@ -392,7 +392,7 @@ def test_template_is_sandboxed(tokenizer):
 
 def stream(tokenizer, ids) -> tuple[StreamingDetokenizer, list[str]]:
     detok = tokenizer.detokenizer()
-    full = tokenizer.decode(ids)
+    full = tokenizer.decode(ids).rstrip("\ufffd")  # finalize drops an incomplete last character
     segments = []
     for token_id in ids:
         segment = detok.add_token(token_id)
@@ -401,6 +401,7 @@ def stream(tokenizer, ids) -> tuple[StreamingDetokenizer, list[str]]:
         assert full.startswith(detok.text)
         assert detok.text == "".join(segments)
     segments.append(detok.finalize())
+    assert "\ufffd" not in segments[-1]
     assert detok.text == full == "".join(segments)
     assert detok.tokens == list(ids)
     return detok, segments
@@ -420,11 +421,13 @@ def test_streaming_holds_back_split_characters(tokenizer):
     assert any("😀" in s for s in segments)
 
 
-def test_streaming_finalize_flushes_incomplete(tokenizer):
+def test_streaming_finalize_drops_incomplete_tail(tokenizer):
     ids = tokenizer.encode("ok 😀")[:-1]  # drop the last byte of the emoji
+    assert tokenizer.decode(ids).endswith("\ufffd")
     detok, segments = stream(tokenizer, ids)
-    assert segments[-1].endswith("\ufffd")
-    assert detok.text == tokenizer.decode(ids)
+    assert segments[-1] == "" and detok.text == "ok "  # the unfinished emoji's bytes are dropped
+    detok, segments = stream(tokenizer, tokenizer.encode("ok 😀 and 中")[:-1])
+    assert segments[-1] == "" and detok.text == "ok 😀 and "
 
 
 # --- model names ----------------------------------------------------------------------------
@@ -440,8 +443,8 @@ def test_resolve_unknown_name():
         resolve_model("no-such-model")
 
 
-def test_resolve_tiny(tmp_path, monkeypatch):
-    path = resolve_model("tiny", cache_dir=tmp_path)
+def test_resolve_tiny_random(tmp_path, monkeypatch):
+    path = resolve_model("tiny-random", cache_dir=tmp_path)
     assert path == tmp_path / "tiny-seed0" and (path / "config.json").is_file()
     assert load_checkpoint(path).tokenizer is not None
 
@@ -449,7 +452,7 @@ def test_resolve_tiny(tmp_path, monkeypatch):
         raise AssertionError("should reuse the existing checkpoint")
 
     monkeypatch.setattr("tiny_llm_support.models.make_tiny_checkpoint", fail)
-    assert resolve_model("tiny", cache_dir=tmp_path) == path
+    assert resolve_model("tiny-random", cache_dir=tmp_path) == path
 
 
 def test_resolve_local_dir(tiny_dir):

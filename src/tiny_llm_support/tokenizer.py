@@ -114,7 +114,9 @@ class StreamingDetokenizer:
 
     Each new token is decoded together with the previously finalized segment (as context for
     decoders that treat the start of a string specially); text ending in U+FFFD, an incomplete
-    character, is held back until later tokens complete it or `finalize()` is called.
+    character, is held back until later tokens complete it. `finalize()` flushes the rest at
+    the end of a stream and drops an incomplete character left at the very end, so the text
+    never ends in U+FFFD.
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -135,8 +137,12 @@ class StreamingDetokenizer:
         return self._accept(after[len(before) :])
 
     def finalize(self) -> str:
-        """Flush everything held back; afterwards `text == tokenizer.decode(tokens)`."""
-        full = self.tokenizer.decode(self.tokens)
+        """Flush what is held back, without a trailing incomplete character.
+
+        Afterwards `text == tokenizer.decode(tokens).rstrip("\ufffd")`: bytes at the end that
+        do not form a complete UTF-8 character (they decode to U+FFFD) are dropped.
+        """
+        full = self.tokenizer.decode(self.tokens).rstrip(REPLACEMENT_CHAR)
         rest = full[len(self.text) :] if full.startswith(self.text) else full
         self.text = full
         self._context_start = self._pending_start = len(self.tokens)
