@@ -1,4 +1,9 @@
-"""Model names: the offline "tiny" checkpoint, shortcuts for Qwen3 on the Hub, local paths."""
+"""Model names: the offline "tiny" checkpoints, shortcuts for Qwen3 on the Hub, local paths.
+
+"tiny" is the small chat model trained in the project and shipped in this package
+(train_tiny.py); "tiny-random" is the synthetic random-weight checkpoint the tests use,
+made on first use by make_tiny_checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -13,6 +18,8 @@ SHORTCUTS: dict[str, str] = {
     "qwen3-8b": "Qwen/Qwen3-8B",
 }
 TINY = "tiny"
+TINY_RANDOM = "tiny-random"
+TINY_CHAT_DIR = Path(__file__).resolve().parent / "tiny_chat"  # written by `pdm run train-tiny`
 HUB_FILES = [
     "config.json",
     "*.safetensors",
@@ -35,12 +42,16 @@ def default_cache_dir() -> Path:
 def resolve_model(
     name_or_path: str | Path, cache_dir: str | Path | None = None, offline: bool | None = None
 ) -> Path:
-    """Turn "tiny", a local directory, a shortcut or an "org/name" repo id into a directory.
+    """Turn "tiny", "tiny-random", a local directory, a shortcut or an "org/name" repo id into
+    a directory.
 
-    `offline=True` only looks in the Hugging Face cache; None follows HF_HUB_OFFLINE.
+    `cache_dir` is where "tiny-random" is made. `offline=True` only looks in the Hugging Face
+    cache; None follows HF_HUB_OFFLINE.
     """
     name = str(name_or_path)
     if name == TINY:
+        return tiny_chat_dir()
+    if name == TINY_RANDOM:
         return tiny_checkpoint_dir(cache_dir)
     local = Path(name).expanduser()
     if local.is_dir():
@@ -51,12 +62,22 @@ def resolve_model(
     if repo_id is None:
         if name.startswith((".", "/", "~")) or name.count("/") > 1:
             raise FileNotFoundError(f"model directory not found: {local}")
-        choices = ", ".join([TINY, *SHORTCUTS])
+        choices = ", ".join([TINY, TINY_RANDOM, *SHORTCUTS])
         raise ValueError(
             f"unknown model {name!r}: use one of {choices}, a Hugging Face repo id "
             "(org/name) or a local checkpoint directory"
         )
     return download(repo_id, offline=offline)
+
+
+def tiny_chat_dir() -> Path:
+    """The trained tiny chat model shipped in the package."""
+    if not (TINY_CHAT_DIR / "model.safetensors").is_file():
+        raise FileNotFoundError(
+            f"the tiny chat model is missing from {TINY_CHAT_DIR}; "
+            "`pdm run train-tiny` trains it again (about 10 minutes)"
+        )
+    return TINY_CHAT_DIR
 
 
 def tiny_checkpoint_dir(cache_dir: str | Path | None = None, seed: int = 0) -> Path:
