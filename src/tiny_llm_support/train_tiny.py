@@ -55,9 +55,11 @@ class TrainSettings:
     head_dim: int = 64
     rope_theta: float = 10000.0
     book_window: int = 256  # tokens of book text per training row
-    book_share: float = 0.5  # fraction of the book's windows in each epoch (drawn at random)
+    book_share: float = 0.35  # fraction of the book's windows in each epoch (drawn at random)
     chat_repeats: int = 4  # copies of every Q&A pair per epoch
-    epochs: int = 12
+    answer_lead_tokens: int = 4  # the first tokens of an answer decide which answer it is...
+    answer_lead_weight: float = 4.0  # ...so their loss counts this many times more
+    epochs: int = 14
     batch_tokens: int = 2048  # rows of similar length are batched up to this many tokens
     learning_rate: float = 2e-3
     warmup_steps: int = 20
@@ -88,11 +90,15 @@ def train_tokenizer(docs: list[dict[str, Any]], num_merges: int) -> tuple[str, T
     return tokenizer_json, Tokenizer(hf, tiny_tokenizer_config())
 
 
-def chat_row(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Row:
+def chat_row(
+    tokenizer: Tokenizer, messages: list[dict[str, str]], lead_tokens: int, lead_weight: float
+) -> Row:
     """The prompt exactly as the demo sends it (thinking off), then the answer and EOS.
 
     Only the answer and the empty think block before it carry loss: the model learns to
-    answer, and to write the empty think block itself when a prompt leaves thinking on.
+    answer, and to write the empty think block itself when a prompt leaves thinking on. The
+    first `lead_tokens` of the answer weigh `lead_weight`: once they are right the rest of a
+    memorized answer follows easily, and with equal weights they get too little of the loss.
     """
     user, answer = messages[:-1], messages[-1]["content"]
     prompt = tokenizer.encode(tokenizer.apply_chat_template(user, enable_thinking=False))
@@ -102,6 +108,7 @@ def chat_row(tokenizer: Tokenizer, messages: list[dict[str, str]]) -> Row:
     ids = np.array(prompt + reply, dtype=np.int32)
     weights = np.zeros(len(ids) - 1, dtype=np.float32)
     weights[len(thinking) - 1 :] = 1.0  # targets from the first token after "assistant\n"
+    weights[len(prompt) - 1 : len(prompt) - 1 + lead_tokens] = lead_weight
     return ids, weights
 
 
@@ -157,7 +164,11 @@ def plan_batches(
     every Q&A pair, in batches of one kind, in random order."""
     rng = np.random.RandomState(s.seed)
     stream = book_tokens(tokenizer, docs)
-    chats = [chat_row(tokenizer, d["messages"]) for d in docs if d["kind"] == "chat"]
+    chats = [
+        chat_row(tokenizer, d["messages"], s.answer_lead_tokens, s.answer_lead_weight)
+        for d in docs
+        if d["kind"] == "chat"
+    ]
     plan = []
     for epoch in range(1, s.epochs + 1):
         start = int(rng.randint(s.book_window)) if len(stream) > s.book_window else 0
