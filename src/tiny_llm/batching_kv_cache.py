@@ -7,7 +7,7 @@ padded batch and masks the padding, so no row attends to another row's positions
 
 import mlx.core as mx
 
-from .kv_cache import TinyKvCache
+from .kv_cache import TinyKvCache, check_rewind
 
 
 class BatchingKvCache(TinyKvCache):
@@ -58,6 +58,12 @@ class BatchingKvCache(TinyKvCache):
 
     def materialize(self) -> None:
         raise NotImplementedError("Week 3 Day 2, Task 3: materialize every active request cache")
+
+    def rewind(self, length: list[int]) -> None:
+        """One length per active request, in slot order, as `offset` gives them."""
+        raise NotImplementedError(
+            "Week 3 Day 3, Task 3: roll every active request back to its length"
+        )
 
     def release(self) -> None:
         """Release every request cache still in a slot and empty the slots."""

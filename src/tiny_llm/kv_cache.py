@@ -1,5 +1,5 @@
 """Week 2 Day 1: the KV cache interface and the dense, append-only cache.
-Week 3 Day 2 adds the materialize() hook."""
+Week 3 Day 2 adds the materialize() hook, Week 3 Day 3 rewind()."""
 
 import mlx.core as mx
 
@@ -23,6 +23,10 @@ class TinyKvCache:
 
     def materialize(self) -> None:
         """Evaluate the cache's own storage so the lazy graph does not keep growing."""
+        raise NotImplementedError
+
+    def rewind(self, length: int | list[int]) -> None:
+        """Roll the cached length back to `length`; what lies past it is overwritten later."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -68,6 +72,16 @@ class TinyKvFullCache(TinyKvCache):
             "Week 3 Day 2, Task 3: evaluate the dense cache's key/value arrays"
         )
 
+    def rewind(self, length: int) -> None:
+        raise NotImplementedError(
+            "Week 3 Day 3, Task 3: roll the dense cache back to `length` tokens"
+        )
+
     def release(self) -> None:
         self.keys, self.values = None, None
         self._offset = 0
+
+
+def check_rewind(length: int, offset: int) -> None:
+    if not 0 <= length <= offset:
+        raise ValueError(f"cannot rewind a cache of {offset} tokens to {length}: use 0..{offset}")

@@ -1,4 +1,5 @@
-"""Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook.
+"""Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook, Week 3 Day 3
+rewind().
 
 A pool owns fixed-size pages of key/value storage for one layer; a request's cache owns only
 a page table (which pages hold its tokens, in order). Releasing a request returns its pages.
@@ -6,7 +7,7 @@ a page table (which pages hold its tokens, in order). Releasing a request return
 
 import mlx.core as mx
 
-from .kv_cache import TinyKvCache
+from .kv_cache import TinyKvCache, check_rewind
 
 
 class PagePoolExhausted(RuntimeError):
@@ -96,6 +97,12 @@ class TinyKvPagedCache(TinyKvCache):
     def materialize(self) -> None:
         raise NotImplementedError(
             "Week 3 Day 2, Task 3: evaluate the pool pages without gathering them"
+        )
+
+    def rewind(self, length: int) -> None:
+        """Keep the first `length` tokens; pages that only held later tokens go back to the pool."""
+        raise NotImplementedError(
+            "Week 3 Day 3, Task 3: roll the paged cache back, returning pages past the end"
         )
 
     def release(self) -> None:

@@ -1,16 +1,20 @@
 """Week 2 Day 1: the Qwen3 model with a KV cache and a position offset.
 
-Week 3 uses the same model: offsets may be one int per row (continuous batching), and a
-prompt may arrive in chunks (chunked prefill), so a call with L > 1 may find tokens cached.
+Week 3 uses the same model: offsets may be one int per row (continuous batching), a prompt
+may arrive in chunks (chunked prefill), so a call with L > 1 may find tokens cached, and the
+blocks' token-parallel halves may run compiled (shape-stable prefill).
 """
 
 import mlx.core as mx
+
+from tiny_llm_support import Checkpoint
 
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
+from .shape_stable import CompiledBlock
 
 
 def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
@@ -66,10 +70,32 @@ class Qwen3BlockWithCache(Qwen3TransformerBlock):
 
 
 class Qwen3Model(Qwen3ModelWeek1):
-    """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab]."""
+    """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab].
+
+    compiled=True (Week 3 Day 3) runs every block's token-parallel halves through a
+    CompileCache of compile_capacity variants per half.
+    """
 
     attention_cls = Qwen3AttentionWithCache
     block_cls = Qwen3BlockWithCache
+
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        max_seq_len: int | None = None,
+        compiled: bool = False,
+        compile_capacity: int = 4,
+    ):
+        super().__init__(ckpt, max_seq_len)
+        self.compiled = compiled
+        if compiled:
+            self.layers = [CompiledBlock(layer, compile_capacity) for layer in self.layers]
+
+    def compile_stats(self) -> dict[str, int]:
+        """compiles, hits, evictions and traces summed over every compiled half of every block."""
+        caches = [c for layer in self.layers for c in getattr(layer, "compile_caches", [])]
+        names = ("compiles", "hits", "evictions", "traces")
+        return {name: sum(getattr(c, name) for c in caches) for name in names}
 
     def create_kv_cache(self) -> list[TinyKvFullCache]:
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]

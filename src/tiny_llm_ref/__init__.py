@@ -18,7 +18,7 @@ from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
-from .qwen3 import Qwen3AttentionWithCache, Qwen3Model, attention_mask
+from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
     Qwen3MultiHeadAttention,
@@ -26,12 +26,16 @@ from .qwen3_week1 import (
     take_weight,
 )
 from .sampler import keep_top_p, make_sampler
+from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 
 __all__ = [
     "BatchStep",
     "BatchingKvCache",
+    "CompileCache",
+    "CompiledBlock",
     "PagePoolExhausted",
     "Qwen3AttentionWithCache",
+    "Qwen3BlockWithCache",
     "Qwen3MLP",
     "Qwen3Model",
     "Qwen3ModelWeek1",
@@ -52,6 +56,7 @@ __all__ = [
     "keep_top_p",
     "linear",
     "make_sampler",
+    "prefill_query_width",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",
     "silu",

@@ -18,6 +18,7 @@ from tiny_llm_support import Tokenizer
 from .batching_kv_cache import BatchingKvCache
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
+from .shape_stable import prefill_query_width, query_padding_on
 
 
 class Request:
@@ -26,7 +27,8 @@ class Request:
     `prompt` is text (encoded here) or a list of token ids. A request is done at an EOS token
     (unless ignore_eos), after max_new_tokens generated tokens, or when prompt plus generated
     tokens reach max_seq_len, whichever comes first. prefill_max_step is the chunk budget,
-    the same setting as batch_generate's prefill_step.
+    the same setting as batch_generate's prefill_step. query_padding (Week 3 Day 3) pads each
+    chunk to a ladder width: None means on exactly when the model runs compiled.
     """
 
     def __init__(
@@ -40,6 +42,7 @@ class Request:
         pools: list[TinyKvPagedPool] | None = None,
         max_new_tokens: int | None = None,
         ignore_eos: bool = False,
+        query_padding: bool | None = None,
     ):
         if prefill_max_step < 1:
             raise ValueError(f"prefill_max_step must be >= 1, got {prefill_max_step}")
@@ -62,6 +65,7 @@ class Request:
         self.offset = 0  # tokens in the cache
         self.is_prefill_done = False
         self.is_done = False
+        self.query_padding = query_padding_on(model, query_padding)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -78,14 +82,40 @@ class Request:
             raise ValueError(f"request {self.prompt_idx} is already prefilled")
         start = self.offset
         chunk = self.prompt_tokens[start : start + self.prefill_max_step]
-        logits = self.model(mx.array([chunk]), start, self.kv_cache, logits_to_keep=1)
+        logits = self.forward_chunk(chunk)  # [V], the chunk's last token
         for layer_cache in self.kv_cache:
             layer_cache.materialize()  # keep the lazy graph from growing across chunks
         self.offset = start + len(chunk)
         if self.offset == len(self.prompt_tokens):
             self.is_prefill_done = True
-            self.accept(mx.argmax(logits[0, -1]).item())
+            self.accept(mx.argmax(logits).item())
         # END TASK
+
+    def forward_chunk(self, chunk: list[int]) -> mx.array:
+        """Run `chunk` at the request's offset and return the logits [V] of its last token.
+
+        With query padding the chunk is widened to prefill_query_width(...) rows by repeating
+        its last token; the padded rows come after every real row, their logits are dropped and
+        the cache is rewound past them. A model that returns fewer rows than it was asked for
+        has contracted the query axis: padding is switched off for it and the chunk re-run.
+        """
+        start, rows = self.offset, len(chunk)
+        if self.query_padding and getattr(self.model, "query_padding_ok", True):
+            # BEGIN TASK Week 3 Day 3, Task 4: pad the chunk, keep the last real row, rewind
+            width = prefill_query_width(rows, self.prefill_max_step)
+            if start + width <= self.model.max_seq_len:  # padded rows need positions too
+                keep = width - rows + 1  # the last real row and the padded rows after it
+                padded = chunk + [chunk[-1]] * (width - rows)
+                logits = self.model(mx.array([padded]), start, self.kv_cache, logits_to_keep=keep)
+                rows_kept = logits.shape[1] == keep
+                for layer_cache in self.kv_cache:
+                    layer_cache.rewind(start + rows if rows_kept else start)
+                if rows_kept:
+                    return logits[0, 0]
+                self.model.query_padding_ok = False  # rows were lost: never pad this model again
+            # END TASK
+        logits = self.model(mx.array([chunk]), start, self.kv_cache, logits_to_keep=1)
+        return logits[0, -1]
 
     def decode_done(self, token: int) -> None:
         """The last accepted token is now in the cache; `token` is the next one."""
@@ -185,12 +215,13 @@ def batch_generate(
     on_step: Callable[[BatchStep], None] | None = None,
     max_new_tokens: int | list[int | None] | None = None,
     ignore_eos: bool = False,
+    query_padding: bool | None = None,
 ) -> list[tuple[int, str]]:
     """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
 
     prefill_step is the chunk budget (Request's prefill_max_step). Prompts are text or token
-    ids; max_new_tokens is one limit for all or one per prompt. Every prompt and limit is
-    checked before any cache exists.
+    ids; max_new_tokens is one limit for all or one per prompt; query_padding as for Request.
+    Every prompt and limit is checked before any cache exists.
     """
     # BEGIN TASK Week 3 Day 1, Task 5: the continuous-batching scheduler loop
     check_limits(max_seq_len, batch_size, prefill_step)
@@ -221,7 +252,7 @@ def batch_generate(
                 idx, ids = pending.popleft()
                 prefilling = Request(
                     model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
-                    budgets[idx], ignore_eos,
+                    budgets[idx], ignore_eos, query_padding,
                 )  # fmt: skip
             if prefilling is not None:
                 before = prefilling.offset

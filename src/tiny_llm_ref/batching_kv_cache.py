@@ -7,7 +7,7 @@ padded batch and masks the padding, so no row attends to another row's positions
 
 import mlx.core as mx
 
-from .kv_cache import TinyKvCache
+from .kv_cache import TinyKvCache, check_rewind
 
 
 class BatchingKvCache(TinyKvCache):
@@ -93,6 +93,18 @@ class BatchingKvCache(TinyKvCache):
         # BEGIN TASK Week 3 Day 2, Task 3: materialize every active request cache
         for slot in self.active_slots:
             self.slots[slot].materialize()
+        # END TASK
+
+    def rewind(self, length: list[int]) -> None:
+        """One length per active request, in slot order, as `offset` gives them."""
+        # BEGIN TASK Week 3 Day 3, Task 3: roll every active request back to its length
+        active = self.active_slots
+        if len(length) != len(active):
+            raise ValueError(f"{len(length)} lengths for {len(active)} active requests")
+        for slot, n in zip(active, length):
+            check_rewind(n, self.slots[slot].offset)  # every length is checked before any change
+        for slot, n in zip(active, length):
+            self.slots[slot].rewind(n)
         # END TASK
 
     def release(self) -> None:
