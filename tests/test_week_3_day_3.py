@@ -311,10 +311,12 @@ def test_padding_defaults_to_the_compiled_model_and_the_switch_turns_it_off(
 ):
     compiled = impl.Qwen3Model(tiny_gqa_ckpt, compiled=True)
     ids = [1, 2, 3, 4, 5]
-    assert not impl.Request(model, tokenizer, ids).query_padding, "eager: no padding by default"
-    assert impl.Request(compiled, tokenizer, ids).query_padding, "compiled: padding by default"
+    assert impl.Request(model, tokenizer, ids).query_width is None, "eager: no padding"
+    assert impl.Request(compiled, tokenizer, ids).query_width is impl.prefill_query_width, (
+        "compiled: the three-step ladder by default"
+    )
     monkeypatch.setenv(PADDING_SWITCH, "0")
-    assert not impl.Request(compiled, tokenizer, ids, query_padding=True).query_padding, (
+    assert impl.Request(compiled, tokenizer, ids, query_padding=True).query_width is None, (
         f"{PADDING_SWITCH}=0 turns padding off everywhere"
     )
 

@@ -28,14 +28,20 @@ def prefill_query_width(rows: int, chunk_width: int, steps: int = 3) -> int:
     raise NotImplementedError("Week 3 Day 3, Task 1: round a chunk's rows up to the padding ladder")
 
 
-def query_padding_on(model, query_padding: bool | None) -> bool:
-    """Whether to pad prefill chunks: the switch in the environment wins, then the caller's
-    choice; by default padding is on exactly when the model runs compiled."""
+Ladder = Callable[[int, int], int]  # (rows, chunk_width) -> padded width
+
+
+def query_ladder(model, query_padding: bool | Ladder | None) -> Ladder | None:
+    """The ladder that pads prefill chunks, or None for no padding. The switch in the
+    environment wins; then the caller's choice (True: three steps, or a ladder of its own);
+    by default padding is on exactly when the model runs compiled."""
     if os.environ.get(PADDING_SWITCH) == "0":
-        return False
+        return None
     if query_padding is None:
-        return bool(getattr(model, "compiled", False))
-    return query_padding
+        query_padding = bool(getattr(model, "compiled", False))
+    if query_padding is True:
+        return prefill_query_width
+    return query_padding or None
 
 
 def shape_key(args: tuple) -> tuple:

@@ -18,7 +18,7 @@ from tiny_llm_support import Tokenizer
 from .batching_kv_cache import BatchingKvCache
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
-from .shape_stable import prefill_query_width, query_padding_on
+from .shape_stable import Ladder, query_ladder
 
 
 class Request:
@@ -28,7 +28,8 @@ class Request:
     (unless ignore_eos), after max_new_tokens generated tokens, or when prompt plus generated
     tokens reach max_seq_len, whichever comes first. prefill_max_step is the chunk budget,
     the same setting as batch_generate's prefill_step. query_padding (Week 3 Day 3) pads each
-    chunk to a ladder width: None means on exactly when the model runs compiled.
+    chunk to a width of prefill_query_width's ladder (True), of a ladder function given here,
+    or not at all (False); None means padding exactly when the model runs compiled.
     """
 
     def __init__(
@@ -42,7 +43,7 @@ class Request:
         pools: list[TinyKvPagedPool] | None = None,
         max_new_tokens: int | None = None,
         ignore_eos: bool = False,
-        query_padding: bool | None = None,
+        query_padding: bool | Ladder | None = None,
     ):
         if prefill_max_step < 1:
             raise ValueError(f"prefill_max_step must be >= 1, got {prefill_max_step}")
@@ -65,7 +66,7 @@ class Request:
         self.offset = 0  # tokens in the cache
         self.is_prefill_done = False
         self.is_done = False
-        self.query_padding = query_padding_on(model, query_padding)
+        self.query_width = query_ladder(model, query_padding)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -94,15 +95,16 @@ class Request:
     def forward_chunk(self, chunk: list[int]) -> mx.array:
         """Run `chunk` at the request's offset and return the logits [V] of its last token.
 
-        With query padding the chunk is widened to prefill_query_width(...) rows by repeating
-        its last token; the padded rows come after every real row, their logits are dropped and
+        With query padding the chunk is widened to self.query_width(rows, prefill_max_step)
+        rows by repeating its last token; the padded rows come after every real row, their logits are dropped and
         the cache is rewound past them. A model that returns fewer rows than it was asked for
         has contracted the query axis: padding is switched off for it and the chunk re-run.
         """
-        start, rows = self.offset, len(chunk)
-        if self.query_padding and getattr(self.model, "query_padding_ok", True):
+        start = self.offset
+        if self.query_width is not None and getattr(self.model, "query_padding_ok", True):
             # BEGIN TASK Week 3 Day 3, Task 4: pad the chunk, keep the last real row, rewind
-            width = prefill_query_width(rows, self.prefill_max_step)
+            rows = len(chunk)
+            width = self.query_width(rows, self.prefill_max_step)
             if start + width <= self.model.max_seq_len:  # padded rows need positions too
                 keep = width - rows + 1  # the last real row and the padded rows after it
                 padded = chunk + [chunk[-1]] * (width - rows)
@@ -215,7 +217,7 @@ def batch_generate(
     on_step: Callable[[BatchStep], None] | None = None,
     max_new_tokens: int | list[int | None] | None = None,
     ignore_eos: bool = False,
-    query_padding: bool | None = None,
+    query_padding: bool | Ladder | None = None,
 ) -> list[tuple[int, str]]:
     """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
 
