@@ -10,7 +10,7 @@ from .attention import (
     scaled_dot_product_attention_simple,
 )
 from .basics import linear, silu, softmax
-from .batch import BatchStep, Request, batch_generate, decode_step
+from .batch import BatchStep, Request, Scheduler, batch_generate, decode_step
 from .batching_kv_cache import BatchingKvCache
 from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
@@ -27,6 +27,7 @@ from .qwen3_week1 import (
 )
 from .sampler import keep_top_p, make_sampler
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
+from .stall_free import Segment, forward_ragged, hybrid_step
 
 __all__ = [
     "BatchStep",
@@ -44,6 +45,8 @@ __all__ = [
     "RMSNorm",
     "Request",
     "RoPE",
+    "Scheduler",
+    "Segment",
     "SimpleMultiHeadAttention",
     "TinyKvCache",
     "TinyKvFullCache",
@@ -53,6 +56,8 @@ __all__ = [
     "batch_generate",
     "causal_mask",
     "decode_step",
+    "forward_ragged",
+    "hybrid_step",
     "keep_top_p",
     "linear",
     "make_sampler",

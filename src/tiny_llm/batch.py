@@ -1,10 +1,11 @@
-"""Week 3 Day 1 (continuous batching) and Week 3 Day 2 (chunked prefill).
+"""Week 3 Day 1 (continuous batching), Day 2 (chunked prefill) and Day 3 (query padding).
 
-The scheduler loop of batch_generate, each iteration:
+batch_generate runs a Scheduler until every prompt is done. One iteration of the "alternate"
+policy (Scheduler.alternate_step):
   admit a waiting prompt when a slot is free and nothing is being prefilled,
   prefill at most prefill_step tokens of the prompt being prefilled,
-  decode one token for every request in a slot,
-until the queue, the prefill and the slots are all empty.
+  decode one token for every request in a slot.
+The "hybrid" policy of Week 3 Day 4 (stall_free.hybrid_step) puts both into one forward pass.
 """
 
 from collections import deque
@@ -19,6 +20,7 @@ from .batching_kv_cache import BatchingKvCache
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
 from .shape_stable import Ladder, query_ladder
+from .stall_free import hybrid_step
 
 
 class Request:
@@ -81,6 +83,16 @@ class Request:
         raise NotImplementedError(
             "Week 3 Day 1, Task 3 and Week 3 Day 2, Task 1: prefill the prompt in chunks"
         )
+
+    def chunk_done(self, n: int) -> bool:
+        """n more prompt tokens are in the cache; True when that completes the prompt."""
+        self.offset += n
+        self.is_prefill_done = self.offset == len(self.prompt_tokens)
+        return self.is_prefill_done
+
+    def materialize(self) -> None:
+        for layer_cache in self.kv_cache:
+            layer_cache.materialize()
 
     def forward_chunk(self, chunk: list[int]) -> mx.array:
         """Run `chunk` at the request's offset and return the logits [V] of its last token.
@@ -173,6 +185,75 @@ def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> lis
     return budgets
 
 
+class Scheduler:
+    """What one batch_generate call keeps from iteration to iteration, for either policy:
+    the prompts still waiting, the slots, the prompt being prefilled outside the slots (the
+    alternate policy), the finished texts, and a count of forward passes for the events."""
+
+    def __init__(
+        self,
+        model: Qwen3Model,
+        new_request: Callable[[int, list[int]], Request],
+        prompts: list[list[int]],
+        batch_size: int,
+        on_step: Callable[[BatchStep], None] | None = None,
+    ):
+        self.model = model
+        self.new_request = new_request  # (prompt_idx, token ids) -> Request
+        self.pending = deque(enumerate(prompts))  # (prompt_idx, token ids), not admitted yet
+        self.slots: list[Request | None] = [None] * batch_size
+        self.prefilling: Request | None = None
+        self.batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
+        self.results: dict[int, str] = {}
+        self.passes = 0
+        self.on_step = on_step
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.prefilling or any(self.slots))
+
+    def report(self, kind: str, request: Request | None = None, tokens: int = 0) -> None:
+        if self.on_step is not None:
+            self.on_step(BatchStep(kind, request, list(self.slots), tokens, self.passes))
+
+    def admit(self) -> Request:
+        """The next waiting prompt, as a Request with fresh caches."""
+        idx, ids = self.pending.popleft()
+        return self.new_request(idx, ids)
+
+    def finish(self, request: Request) -> None:
+        request.release()
+        self.results[request.prompt_idx] = request.text()
+        self.report("finish", request)
+
+    def release(self) -> None:
+        """Return every cache still held: the slots' requests and the one being prefilled."""
+        for layer_cache in self.batch_cache:
+            layer_cache.release()  # releases the caches of the requests it batches
+        for request in [*self.slots, self.prefilling]:
+            if request is not None:
+                request.release()
+
+    def alternate_step(self) -> None:
+        """One iteration: admit, prefill one chunk, then one batched decode step."""
+        raise NotImplementedError(
+            "Week 3 Day 1, Task 5: one iteration of the continuous-batching loop"
+        )
+
+
+def decode_step(
+    model: Qwen3Model,
+    slots: list[Request | None],
+    batch_cache: list[BatchingKvCache],
+    finish: Callable[[Request], None],
+) -> None:
+    """One token for every active request, in one batched forward pass."""
+    raise NotImplementedError("Week 3 Day 1, Task 5: one batched decode step")
+
+
+POLICIES = ("alternate", "hybrid")
+
+
 def batch_generate(
     model: Qwen3Model,
     tokenizer: Tokenizer,
@@ -185,21 +266,42 @@ def batch_generate(
     max_new_tokens: int | list[int | None] | None = None,
     ignore_eos: bool = False,
     query_padding: bool | Ladder | None = None,
+    policy: str = "alternate",
 ) -> list[tuple[int, str]]:
     """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
 
-    prefill_step is the chunk budget (Request's prefill_max_step). Prompts are text or token
-    ids; max_new_tokens is one limit for all or one per prompt; query_padding as for Request.
-    Every prompt and limit is checked before any cache exists.
+    prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
+    is the token budget of a whole forward pass, decode rows included. Prompts are text or
+    token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
+    Request. Every prompt and limit is checked before any cache exists.
     """
-    raise NotImplementedError("Week 3 Day 1, Task 5: the continuous-batching scheduler loop")
+    check_limits(max_seq_len, batch_size, prefill_step)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    budgets = output_budgets(max_new_tokens, len(prompts))
+    vocab = model.config.vocab_size
+    tokens = [prompt_tokens(tokenizer, p, vocab, idx) for idx, p in enumerate(prompts)]
+    for idx, ids in enumerate(tokens):
+        if len(ids) > max_seq_len:
+            raise ValueError(
+                f"prompt {idx} has {len(ids)} tokens, more than max_seq_len={max_seq_len}"
+            )
 
+    def new_request(idx: int, ids: list[int]) -> Request:
+        return Request(
+            model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
+            budgets[idx], ignore_eos, query_padding,
+        )  # fmt: skip
 
-def decode_step(
-    model: Qwen3Model,
-    slots: list[Request | None],
-    batch_cache: list[BatchingKvCache],
-    finish: Callable[[Request], None],
-) -> None:
-    """One token for every active request, in one batched forward pass."""
-    raise NotImplementedError("Week 3 Day 1, Task 5: one batched decode step")
+    scheduler = Scheduler(model, new_request, tokens, batch_size, on_step)
+    if policy == "hybrid":
+        ladder = query_ladder(model, query_padding)
+        step = lambda: hybrid_step(scheduler, prefill_step, ladder)
+    else:
+        step = scheduler.alternate_step
+    try:
+        while scheduler.busy:
+            step()
+    finally:
+        scheduler.release()
+    return sorted(scheduler.results.items())

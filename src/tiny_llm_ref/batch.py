@@ -1,10 +1,11 @@
-"""Week 3 Day 1 (continuous batching) and Week 3 Day 2 (chunked prefill).
+"""Week 3 Day 1 (continuous batching), Day 2 (chunked prefill) and Day 3 (query padding).
 
-The scheduler loop of batch_generate, each iteration:
+batch_generate runs a Scheduler until every prompt is done. One iteration of the "alternate"
+policy (Scheduler.alternate_step):
   admit a waiting prompt when a slot is free and nothing is being prefilled,
   prefill at most prefill_step tokens of the prompt being prefilled,
-  decode one token for every request in a slot,
-until the queue, the prefill and the slots are all empty.
+  decode one token for every request in a slot.
+The "hybrid" policy of Week 3 Day 4 (stall_free.hybrid_step) puts both into one forward pass.
 """
 
 from collections import deque
@@ -19,6 +20,7 @@ from .batching_kv_cache import BatchingKvCache
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
 from .shape_stable import Ladder, query_ladder
+from .stall_free import hybrid_step
 
 
 class Request:
@@ -81,16 +83,22 @@ class Request:
         # BEGIN TASK Week 3 Day 1, Task 3 and Week 3 Day 2, Task 1: prefill the prompt in chunks
         if self.is_prefill_done:
             raise ValueError(f"request {self.prompt_idx} is already prefilled")
-        start = self.offset
-        chunk = self.prompt_tokens[start : start + self.prefill_max_step]
+        chunk = self.prompt_tokens[self.offset : self.offset + self.prefill_max_step]
         logits = self.forward_chunk(chunk)  # [V], the chunk's last token
-        for layer_cache in self.kv_cache:
-            layer_cache.materialize()  # keep the lazy graph from growing across chunks
-        self.offset = start + len(chunk)
-        if self.offset == len(self.prompt_tokens):
-            self.is_prefill_done = True
+        self.materialize()  # keep the lazy graph from growing across chunks
+        if self.chunk_done(len(chunk)):
             self.accept(mx.argmax(logits).item())
         # END TASK
+
+    def chunk_done(self, n: int) -> bool:
+        """n more prompt tokens are in the cache; True when that completes the prompt."""
+        self.offset += n
+        self.is_prefill_done = self.offset == len(self.prompt_tokens)
+        return self.is_prefill_done
+
+    def materialize(self) -> None:
+        for layer_cache in self.kv_cache:
+            layer_cache.materialize()
 
     def forward_chunk(self, chunk: list[int]) -> mx.array:
         """Run `chunk` at the request's offset and return the logits [V] of its last token.
@@ -206,83 +214,81 @@ def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> lis
     return budgets
 
 
-def batch_generate(
-    model: Qwen3Model,
-    tokenizer: Tokenizer,
-    prompts: list[str | list[int]],
-    max_seq_len: int = 512,
-    batch_size: int = 5,
-    prefill_step: int = 128,
-    pools: list[TinyKvPagedPool] | None = None,
-    on_step: Callable[[BatchStep], None] | None = None,
-    max_new_tokens: int | list[int | None] | None = None,
-    ignore_eos: bool = False,
-    query_padding: bool | Ladder | None = None,
-) -> list[tuple[int, str]]:
-    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
+class Scheduler:
+    """What one batch_generate call keeps from iteration to iteration, for either policy:
+    the prompts still waiting, the slots, the prompt being prefilled outside the slots (the
+    alternate policy), the finished texts, and a count of forward passes for the events."""
 
-    prefill_step is the chunk budget (Request's prefill_max_step). Prompts are text or token
-    ids; max_new_tokens is one limit for all or one per prompt; query_padding as for Request.
-    Every prompt and limit is checked before any cache exists.
-    """
-    # BEGIN TASK Week 3 Day 1, Task 5: the continuous-batching scheduler loop
-    check_limits(max_seq_len, batch_size, prefill_step)
-    budgets = output_budgets(max_new_tokens, len(prompts))
-    vocab = model.config.vocab_size
-    tokens = [prompt_tokens(tokenizer, p, vocab, idx) for idx, p in enumerate(prompts)]
-    for idx, ids in enumerate(tokens):
-        if len(ids) > max_seq_len:
-            raise ValueError(
-                f"prompt {idx} has {len(ids)} tokens, more than max_seq_len={max_seq_len}"
-            )
-    report = on_step or (lambda step: None)
-    pending = deque(enumerate(tokens))
-    slots: list[Request | None] = [None] * batch_size
-    batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
-    prefilling: Request | None = None
-    results: dict[int, str] = {}
-    passes = 0
+    def __init__(
+        self,
+        model: Qwen3Model,
+        new_request: Callable[[int, list[int]], Request],
+        prompts: list[list[int]],
+        batch_size: int,
+        on_step: Callable[[BatchStep], None] | None = None,
+    ):
+        self.model = model
+        self.new_request = new_request  # (prompt_idx, token ids) -> Request
+        self.pending = deque(enumerate(prompts))  # (prompt_idx, token ids), not admitted yet
+        self.slots: list[Request | None] = [None] * batch_size
+        self.prefilling: Request | None = None
+        self.batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
+        self.results: dict[int, str] = {}
+        self.passes = 0
+        self.on_step = on_step
 
-    def finish(request: Request) -> None:
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.prefilling or any(self.slots))
+
+    def report(self, kind: str, request: Request | None = None, tokens: int = 0) -> None:
+        if self.on_step is not None:
+            self.on_step(BatchStep(kind, request, list(self.slots), tokens, self.passes))
+
+    def admit(self) -> Request:
+        """The next waiting prompt, as a Request with fresh caches."""
+        idx, ids = self.pending.popleft()
+        return self.new_request(idx, ids)
+
+    def finish(self, request: Request) -> None:
         request.release()
-        results[request.prompt_idx] = request.text()
-        report(BatchStep("finish", request, list(slots), 0, passes))
+        self.results[request.prompt_idx] = request.text()
+        self.report("finish", request)
 
-    try:
-        while pending or prefilling or any(slots):
-            if prefilling is None and pending and None in slots:
-                idx, ids = pending.popleft()
-                prefilling = Request(
-                    model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
-                    budgets[idx], ignore_eos, query_padding,
-                )  # fmt: skip
-            if prefilling is not None:
-                before = prefilling.offset
-                prefilling.try_prefill()
-                passes += 1
-                chunk = prefilling.offset - before
-                report(BatchStep("prefill", prefilling, list(slots), chunk, passes))
-                if prefilling.is_prefill_done:
-                    if prefilling.is_done:
-                        finish(prefilling)
-                    else:
-                        slot = slots.index(None)
-                        slots[slot] = prefilling
-                        for layer_cache, request_cache in zip(batch_cache, prefilling.kv_cache):
-                            layer_cache.add_request(request_cache, slot)
-                    prefilling = None
-            if any(slots):
-                rows = len(slots) - slots.count(None)
-                passes += 1
-                decode_step(model, slots, batch_cache, finish)
-                report(BatchStep("decode", None, list(slots), rows, passes))
-    finally:
-        for layer_cache in batch_cache:
-            layer_cache.release()  # releases the caches of requests still in a slot
-        if prefilling is not None:
-            prefilling.release()
-    return sorted(results.items())
-    # END TASK
+    def release(self) -> None:
+        """Return every cache still held: the slots' requests and the one being prefilled."""
+        for layer_cache in self.batch_cache:
+            layer_cache.release()  # releases the caches of the requests it batches
+        for request in [*self.slots, self.prefilling]:
+            if request is not None:
+                request.release()
+
+    def alternate_step(self) -> None:
+        """One iteration: admit, prefill one chunk, then one batched decode step."""
+        # BEGIN TASK Week 3 Day 1, Task 5: one iteration of the continuous-batching loop
+        if self.prefilling is None and self.pending and None in self.slots:
+            self.prefilling = self.admit()
+        request = self.prefilling
+        if request is not None:
+            before = request.offset
+            request.try_prefill()
+            self.passes += 1
+            self.report("prefill", request, request.offset - before)
+            if request.is_prefill_done:
+                self.prefilling = None
+                if request.is_done:
+                    self.finish(request)
+                else:
+                    slot = self.slots.index(None)
+                    self.slots[slot] = request
+                    for layer_cache, request_cache in zip(self.batch_cache, request.kv_cache):
+                        layer_cache.add_request(request_cache, slot)
+        if any(self.slots):
+            rows = len(self.slots) - self.slots.count(None)
+            self.passes += 1
+            decode_step(self.model, self.slots, self.batch_cache, self.finish)
+            self.report("decode", None, rows)
+        # END TASK
 
 
 def decode_step(
@@ -307,3 +313,59 @@ def decode_step(
             slots[i] = None
             finish(request)
     # END TASK
+
+
+POLICIES = ("alternate", "hybrid")
+
+
+def batch_generate(
+    model: Qwen3Model,
+    tokenizer: Tokenizer,
+    prompts: list[str | list[int]],
+    max_seq_len: int = 512,
+    batch_size: int = 5,
+    prefill_step: int = 128,
+    pools: list[TinyKvPagedPool] | None = None,
+    on_step: Callable[[BatchStep], None] | None = None,
+    max_new_tokens: int | list[int | None] | None = None,
+    ignore_eos: bool = False,
+    query_padding: bool | Ladder | None = None,
+    policy: str = "alternate",
+) -> list[tuple[int, str]]:
+    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
+
+    prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
+    is the token budget of a whole forward pass, decode rows included. Prompts are text or
+    token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
+    Request. Every prompt and limit is checked before any cache exists.
+    """
+    check_limits(max_seq_len, batch_size, prefill_step)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    budgets = output_budgets(max_new_tokens, len(prompts))
+    vocab = model.config.vocab_size
+    tokens = [prompt_tokens(tokenizer, p, vocab, idx) for idx, p in enumerate(prompts)]
+    for idx, ids in enumerate(tokens):
+        if len(ids) > max_seq_len:
+            raise ValueError(
+                f"prompt {idx} has {len(ids)} tokens, more than max_seq_len={max_seq_len}"
+            )
+
+    def new_request(idx: int, ids: list[int]) -> Request:
+        return Request(
+            model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
+            budgets[idx], ignore_eos, query_padding,
+        )  # fmt: skip
+
+    scheduler = Scheduler(model, new_request, tokens, batch_size, on_step)
+    if policy == "hybrid":
+        ladder = query_ladder(model, query_padding)
+        step = lambda: hybrid_step(scheduler, prefill_step, ladder)
+    else:
+        step = scheduler.alternate_step
+    try:
+        while scheduler.busy:
+            step()
+    finally:
+        scheduler.release()
+    return sorted(scheduler.results.items())

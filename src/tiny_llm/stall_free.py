@@ -1,0 +1,66 @@
+"""Week 3 Day 4: stall-free batching (the "hybrid" policy of batch_generate).
+
+Every iteration is one forward pass over a ragged batch: one row for every request that is
+decoding, then as many prompt tokens as the token budget leaves. The rows of all requests sit
+side by side in tokens [1, T]; the linear layers, norms and the MLP run over all T rows at
+once, reading each weight once per pass, and attention runs per segment against that
+request's own cache.
+"""
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .basics import linear
+from .qwen3 import attention_mask
+from .shape_stable import Ladder
+
+
+@dataclass
+class Segment:
+    """`length` consecutive rows of a ragged batch, starting at row `start`, that belong to
+    the request whose per-layer caches are `cache` (they continue at its cache offset)."""
+
+    cache: list
+    start: int
+    length: int
+
+
+def forward_ragged(model, tokens: mx.array, segments: list[Segment]) -> mx.array:
+    """tokens [1, T]: the segments' rows side by side, then any padding rows.
+
+    Returns the logits [1, len(segments), V] of each segment's last row. Padding rows (after
+    the last segment) take part in the token-parallel halves only: they attend to nothing,
+    are written to no cache, and their logits are never computed.
+    """
+    raise NotImplementedError(
+        "Week 3 Day 4, Task 1: one forward pass over the rows of several requests"
+    )
+
+
+def plan_pass(scheduler, budget: int) -> tuple[list, list]:
+    """The requests that decode in this pass, and (request, prompt tokens) chunks that fill
+    what the budget leaves: first the prompt already being prefilled, then, while tokens and
+    free slots remain, new prompts, each taking its slot as it is admitted."""
+    slots = scheduler.slots
+    decoding = [r for r in slots if r is not None and r.is_prefill_done]
+    room = budget - len(decoding)
+    chunks = []
+    prefilling = [r for r in slots if r is not None and not r.is_prefill_done]
+    while room > 0 and (prefilling or (scheduler.pending and None in slots)):
+        if prefilling:
+            request = prefilling.pop(0)
+        else:
+            request = scheduler.admit()
+            slots[slots.index(None)] = request
+        ids = request.prompt_tokens[request.offset : request.offset + room]
+        chunks.append((request, ids))
+        room -= len(ids)
+    return decoding, chunks
+
+
+def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
+    """One iteration of the hybrid policy: one forward pass holding a row for every decoding
+    request and prompt chunks up to `budget` rows in all; the pass is padded up to a width of
+    `ladder` when one is given (a compiled model)."""
+    raise NotImplementedError("Week 3 Day 4, Task 2: decode rows and prompt chunks in one pass")
