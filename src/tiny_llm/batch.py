@@ -280,7 +280,8 @@ class Scheduler:
                 self.pending.popleft()
                 self.report("refuse", request, detail=f"prompt {request.prompt_idx} {reason}")
                 continue
-            if not can_admit(len(request.prefill_tokens), self.owed(), self.pools):
+            alone = self.prefilling is None and not any(self.slots)  # headroom is for others
+            if not alone and not can_admit(len(request.prefill_tokens), self.owed(), self.pools):
                 if self.waiting is not request:
                     self.waiting = request
                     self.report("wait", request)
@@ -388,7 +389,10 @@ def batch_generate(
         step = scheduler.alternate_step
     try:
         while scheduler.busy:
+            before = (scheduler.passes, len(scheduler.pending), len(scheduler.results))
             step()
+            if before == (scheduler.passes, len(scheduler.pending), len(scheduler.results)):
+                raise RuntimeError(f"the {policy} scheduler made no progress in an iteration")
     finally:
         scheduler.release()
     return sorted(scheduler.results.items())

@@ -40,6 +40,8 @@ def refusal(longest: int, pools) -> str | None:
     """Why a request that may hold up to `longest` tokens can never run with these pools, or
     None if it can: if its pages exceed the whole pool, not even preempting every other
     request would make room for it."""
+    if not pools or pools[0].max_pages is None:
+        return None  # an unbounded pool fits everyone
     raise NotImplementedError(
         "Week 3 Day 6, Task 3: refuse a request that cannot fit even an empty pool"
     )
@@ -48,12 +50,16 @@ def refusal(longest: int, pools) -> str | None:
 def can_admit(tokens: int, reserved: int, pools) -> bool:
     """Whether a prompt of `tokens` tokens may start now: the free pages, less `reserved`
     pages still owed to a prompt already being prefilled, hold its pages plus the headroom."""
+    if not pools or pools[0].max_pages is None:
+        return True  # an unbounded pool never makes anyone wait
     raise NotImplementedError("Week 3 Day 6, Task 1: admit a prompt only when the pool can hold it")
 
 
 def make_room(scheduler, need, protect=()) -> bool:
     """Preempt running requests, most recently admitted first, until the pages that
     `need()` counts are free; requests in `protect` are never preempted. True if it fits."""
+    if free_pages(scheduler.pools) == math.inf:
+        return True  # an unbounded pool always has room
     raise NotImplementedError(
         "Week 3 Day 6, Task 2: preempt the newest running requests until a pass fits"
     )

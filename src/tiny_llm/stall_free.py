@@ -77,6 +77,7 @@ def tokens_that_fit(request, pools) -> float:
 
 def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
     """One iteration of the hybrid policy: one forward pass holding a row for every decoding
-    request and prompt chunks up to `budget` rows in all; the pass is padded up to a width of
-    `ladder` when one is given (a compiled model)."""
+    request and prompt chunks up to `budget` rows in all. With a ladder (a compiled model) a
+    pass holding a chunk is padded up to a ladder width of the budget, and a pass of decode
+    rows alone up to the batch size, so a run compiles at most steps + 1 shapes."""
     raise NotImplementedError("Week 3 Day 4, Task 2: decode rows and prompt chunks in one pass")

@@ -40,9 +40,9 @@ def refusal(longest: int, pools) -> str | None:
     """Why a request that may hold up to `longest` tokens can never run with these pools, or
     None if it can: if its pages exceed the whole pool, not even preempting every other
     request would make room for it."""
-    # BEGIN TASK Week 3 Day 6, Task 3: refuse a request that cannot fit even an empty pool
     if not pools or pools[0].max_pages is None:
-        return None
+        return None  # an unbounded pool fits everyone
+    # BEGIN TASK Week 3 Day 6, Task 3: refuse a request that cannot fit even an empty pool
     pages = -(-longest // pools[0].page_size)
     if pages <= pools[0].max_pages:
         return None
@@ -56,9 +56,9 @@ def refusal(longest: int, pools) -> str | None:
 def can_admit(tokens: int, reserved: int, pools) -> bool:
     """Whether a prompt of `tokens` tokens may start now: the free pages, less `reserved`
     pages still owed to a prompt already being prefilled, hold its pages plus the headroom."""
-    # BEGIN TASK Week 3 Day 6, Task 1: admit a prompt only when the pool can hold it
     if not pools or pools[0].max_pages is None:
-        return True
+        return True  # an unbounded pool never makes anyone wait
+    # BEGIN TASK Week 3 Day 6, Task 1: admit a prompt only when the pool can hold it
     pages = -(-tokens // pools[0].page_size)
     return pages + HEADROOM_PAGES <= free_pages(pools) - reserved
     # END TASK
@@ -67,6 +67,8 @@ def can_admit(tokens: int, reserved: int, pools) -> bool:
 def make_room(scheduler, need, protect=()) -> bool:
     """Preempt running requests, most recently admitted first, until the pages that
     `need()` counts are free; requests in `protect` are never preempted. True if it fits."""
+    if free_pages(scheduler.pools) == math.inf:
+        return True  # an unbounded pool always has room
     # BEGIN TASK Week 3 Day 6, Task 2: preempt the newest running requests until a pass fits
     while need() > free_pages(scheduler.pools):
         victims = [r for r in scheduler.running() if all(r is not p for p in protect)]

@@ -103,16 +103,18 @@ def tokens_that_fit(request, pools) -> float:
 
 def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
     """One iteration of the hybrid policy: one forward pass holding a row for every decoding
-    request and prompt chunks up to `budget` rows in all; the pass is padded up to a width of
-    `ladder` when one is given (a compiled model)."""
+    request and prompt chunks up to `budget` rows in all. With a ladder (a compiled model) a
+    pass holding a chunk is padded up to a ladder width of the budget, and a pass of decode
+    rows alone up to the batch size, so a run compiles at most steps + 1 shapes."""
     # BEGIN TASK Week 3 Day 4, Task 2: decode rows and prompt chunks in one pass
     decoding, chunks = plan_pass(scheduler, budget)
     segments, tokens = [], []
     for request, ids in [(r, r.generated[-1:]) for r in decoding] + chunks:
         segments.append(Segment(request.kv_cache, len(tokens), len(ids)))
         tokens += ids
-    if ladder is not None and len(tokens) <= budget:
-        tokens += [tokens[-1]] * (ladder(len(tokens), budget) - len(tokens))
+    if ladder is not None:  # a pass with a chunk goes up the ladder, decode alone to batch size
+        width = ladder(len(tokens), budget) if chunks else len(scheduler.slots)
+        tokens += [tokens[-1]] * (width - len(tokens))
     logits = forward_ragged(scheduler.model, mx.array([tokens]), segments)  # [1, segments, V]
     next_tokens = mx.argmax(logits[0], axis=-1).tolist()
     scheduler.passes += 1
