@@ -28,10 +28,19 @@ from .qwen3_week1 import (
 from .sampler import keep_top_p, make_sampler
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 from .stall_free import Segment, forward_ragged, hybrid_step
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelAttention,
+    TensorParallelMLP,
+    rank_slice,
+    shard_blocks,
+)
 
 __all__ = [
     "BatchStep",
     "BatchingKvCache",
+    "ColumnParallelLinear",
     "CompileCache",
     "CompiledBlock",
     "PagePoolExhausted",
@@ -45,9 +54,12 @@ __all__ = [
     "RMSNorm",
     "Request",
     "RoPE",
+    "RowParallelLinear",
     "Scheduler",
     "Segment",
     "SimpleMultiHeadAttention",
+    "TensorParallelAttention",
+    "TensorParallelMLP",
     "TinyKvCache",
     "TinyKvFullCache",
     "TinyKvPagedCache",
@@ -62,8 +74,10 @@ __all__ = [
     "linear",
     "make_sampler",
     "prefill_query_width",
+    "rank_slice",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",
+    "shard_blocks",
     "silu",
     "simple_generate",
     "simple_generate_with_kv_cache",
