@@ -1,7 +1,7 @@
 """The two-rank half of the Week 4 Day 2 tests: run by every rank under mlx.launch.
 
-    mlx.launch -n 2 --backend ring --python PYTHON tests/tp_ranks.py --impl tiny_llm_ref \
-        --out DIR --ckpt DIR --ckpt-kv1 DIR --ckpt-odd-mlp DIR
+    mlx.launch -n 2 --backend ring --python PYTHON tests/tp_ranks.py
+        --impl tiny_llm_ref --out DIR --ckpt DIR --ckpt-kv1 DIR --ckpt-odd-mlp DIR
 
 Each rank runs every check in CHECKS, in the same order, and after each one writes what it
 found to DIR/rank<r>.json: {check: null when it passed, else the error text}. A check first
