@@ -46,7 +46,7 @@ class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
     ) -> mx.array:
         """Append k/v [B, H_kv, L, D] to the cache and attend q [B, H, L, D] over all of it."""
         raise NotImplementedError(
-            "Week 2 Day 1, Task 2: append to the cache, then attend over everything in it"
+            "Week 2 Day 1, Task 2 and Week 3 Day 5, Task 4: append to the cache, then attend over everything in it (a paged cache in place)"
         )
 
 

@@ -50,7 +50,9 @@ class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
         self, q: mx.array, k: mx.array, v: mx.array, cache: TinyKvCache, mask: mx.array | str | None
     ) -> mx.array:
         """Append k/v [B, H_kv, L, D] to the cache and attend q [B, H, L, D] over all of it."""
-        # BEGIN TASK Week 2 Day 1, Task 2: append to the cache, then attend over everything in it
+        # BEGIN TASK Week 2 Day 1, Task 2 and Week 3 Day 5, Task 4: append to the cache, then attend over everything in it (a paged cache in place)
+        if cache.reads_in_place:
+            return cache.attend(q, k, v)  # [B, H, L, D], no dense copy of the cache
         keys, values, cache_mask = cache.update_and_fetch(k, v)  # [B, H_kv, S, D]
         if cache_mask is not None:
             mask = cache_mask
