@@ -36,9 +36,10 @@ class BatchingKvCache(TinyKvCache):
 
     @property
     def reads_in_place(self) -> bool:
-        """True when every active request is a paged cache on one and the same pool."""
+        """True when every active request is a paged cache that reads in place, all on one
+        pool."""
         caches = [self.slots[i] for i in self.active_slots]
-        paged = all(isinstance(c, TinyKvPagedCache) for c in caches)
+        paged = all(isinstance(c, TinyKvPagedCache) and c.reads_in_place for c in caches)
         return bool(caches) and paged and len({id(c.pool) for c in caches}) == 1
 
     def add_request(self, prefilled: TinyKvCache, slot: int) -> None:

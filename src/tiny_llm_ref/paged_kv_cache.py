@@ -125,7 +125,9 @@ class TinyKvPagedPool:
 class TinyKvPagedCache(TinyKvCache):
     """One request's view of a pool: a page table and a token count."""
 
-    reads_in_place = True  # attend() reads the pool's pages without a dense copy
+    # attend() reads the pool's pages without a dense copy (Week 3 Day 5); False sends the
+    # model back to the Week 2 path, update_and_fetch's gather (the benchmark's baseline)
+    reads_in_place = True
 
     def __init__(self, pool: TinyKvPagedPool):
         self.pool = pool
