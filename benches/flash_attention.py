@@ -47,7 +47,6 @@ from common import host_info, int_at_least, mlx_info, resolve_bench_model, write
 from tiny_llm_support import blas_info, choose_device, mlx_lm_qwen3, reexec_with_openblas  # noqa: E402
 
 SCHEMA = "tiny-llm/bench-flash-attention/v1"
-MODEL = "qwen3-0.6b"
 H_Q, H_KV, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 
@@ -293,7 +292,7 @@ DECODE_KINDS = ("paged-gather", "paged-in-place", "paged-in-place-per-request", 
 
 
 def bench_decode(pkg, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    bench_model = resolve_bench_model(MODEL, random=True, num_layers=args.num_layers)
+    bench_model = resolve_bench_model(args.model, num_layers=args.num_layers)
     ckpt = bench_model.load(args.dtype)
     model = pkg.Qwen3Model(ckpt)
     dtype = DTYPES[args.dtype]
@@ -408,6 +407,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--solution", choices=("ref", "tiny_llm"), default="ref")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu")
+    p.add_argument(
+        "--no-openblas", action="store_true",
+        help="keep the wheel's bundled BLAS (on Linux the script otherwise restarts itself "
+        "with Debian's OpenBLAS preloaded, when installed)",
+    )  # fmt: skip
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument(
         "--lengths", type=int_at_least(1), nargs="+", default=[1024, 2048, 4096],
@@ -416,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-sizes", type=int_at_least(1), nargs="+", default=[128, 512])
     p.add_argument("--contexts", type=int_at_least(1), nargs="+", default=[1024, 4096])
     p.add_argument("--batches", type=int_at_least(1), nargs="+", default=[1, 4])
+    p.add_argument(
+        "--model", default="qwen3-0.6b",
+        help="decode: qwen3-0.6b (its config, random weights), tiny, or a checkpoint directory",
+    )  # fmt: skip
     p.add_argument("--num-layers", type=int_at_least(1), default=8, help="decode model layers")
     p.add_argument("--page-size", type=int_at_least(1), default=16)
     p.add_argument(
@@ -434,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    reexec_with_openblas()
+    if not args.no_openblas:
+        reexec_with_openblas()  # returns only where no restart is needed
     device = choose_device(args.device)
     pkg = __import__({"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}[args.solution])
     started = time.time()
