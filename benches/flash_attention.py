@@ -147,32 +147,42 @@ def bench_attention(pkg, args: argparse.Namespace) -> list[dict[str, Any]]:
 # --- decode steps ----------------------------------------------------------------------------
 
 
-def per_request_attend(self, query, key, value):
-    """BatchingKvCache.attend, one request at a time: each row walks its own page table."""
-    caches = [self.slots[i] for i in self.active_slots]
-    outs = [cache.attend(query[b : b + 1], key[b : b + 1], value[b : b + 1]) for b, cache in enumerate(caches)]  # fmt: skip
-    return mx.concatenate(outs, axis=0)  # [B, H_q, 1, D]
+def per_request_batching_cache(pkg):
+    """The batching cache with the other choice for paged decode: each request walks its own
+    page table, one after the other, instead of all of them through one padded table."""
+
+    class PerRequest(pkg.BatchingKvCache):
+        def attend(self, query, key, value):
+            caches = [self.slots[i] for i in self.active_slots]
+            rows = [slice(b, b + 1) for b in range(len(caches))]
+            outs = [c.attend(query[r], key[r], value[r]) for c, r in zip(caches, rows)]
+            return mx.concatenate(outs, axis=0)  # [B, H_q, 1, D]
+
+    return PerRequest
 
 
 class CourseDecode:
     """A batched decode step of the course's model over B request caches at one context."""
 
     def __init__(self, pkg, model, kv, kind: str, page_size: int, block: int):
-        self.pkg, self.model, self.kind = pkg, model, kind
+        self.model = model
         batch = len(kv)
         self.context = kv[0][0][0].shape[2]
         self.pools = None
         if kind == "dense":
             requests = [model.create_kv_cache() for _ in range(batch)]
         else:
-            self.pools = model.create_kv_pools(page_size=page_size)
+            in_place = kind != "paged-gather"
+            self.pools = model.create_kv_pools(page_size=page_size, read_in_place=in_place)
             for pool in self.pools:
                 pool.attention_block = block
             requests = [model.create_paged_kv_cache(self.pools) for _ in range(batch)]
         for request, layers in zip(requests, kv):
             for layer_cache, (k, v) in zip(request, layers):
                 layer_cache.update_and_fetch(k, v)  # the state a prefill leaves
-        self.batch = [pkg.BatchingKvCache(batch) for _ in range(model.num_hidden_layers)]
+        per_request = kind == "paged-in-place-per-request"
+        batching = per_request_batching_cache(pkg) if per_request else pkg.BatchingKvCache
+        self.batch = [batching(batch) for _ in range(model.num_hidden_layers)]
         for slot, request in enumerate(requests):
             for layer, layer_cache in zip(self.batch, request):
                 layer.add_request(layer_cache, slot)
@@ -181,18 +191,9 @@ class CourseDecode:
         self.tokens = mx.array([[1 + b] for b in range(batch)])
 
     def step(self) -> mx.array:
-        paged_cls, batching_cls = self.pkg.TinyKvPagedCache, self.pkg.BatchingKvCache
-        saved = paged_cls.reads_in_place, batching_cls.attend
-        if self.kind == "paged-gather":
-            paged_cls.reads_in_place = False
-        elif self.kind == "paged-in-place-per-request":
-            batching_cls.attend = per_request_attend
-        try:
-            offsets = [self.context] * self.tokens.shape[0]
-            logits = self.model(self.tokens, offsets, self.batch)
-            mx.eval(logits)
-        finally:
-            paged_cls.reads_in_place, batching_cls.attend = saved
+        offsets = [self.context] * self.tokens.shape[0]
+        logits = self.model(self.tokens, offsets, self.batch)
+        mx.eval(logits)
         return logits
 
     def rewind(self) -> None:

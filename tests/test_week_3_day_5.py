@@ -7,8 +7,8 @@ Task 2  flash_attention(query, key, value, scale, causal, block_size): attention
         diagonal skipped; the [L, S] score matrix is never built.
 Task 3  paged_attention(query, pool, page_tables, lengths) and TinyKvPagedCache.attend: the
         pool's pages read where they lie, a few pages per block, never gathered.
-Task 4  BatchingKvCache.attend and the attention layer: batched decode over a padded page table,
-        and the model (eager, compiled, ragged, batched) on the in-place path.
+Task 4  BatchingKvCache.attend: batched decode over a padded page table; with pools made with
+        read_in_place=True the model (eager, compiled, ragged, batched) reads pages in place.
 
 Oracles: mx.fast.scaled_dot_product_attention, mx.softmax over all the scores at once, the
 dense cache's logits and texts. Spies record the shape of every array the code under test
@@ -305,7 +305,7 @@ def fill_pool(impl, page_size, lengths, seed=0, heads=2):
     """A pool of `heads` KV heads and requests of `lengths` tokens appended in interleaved
     pieces of 3, so each page table is scattered. Returns the pool, the caches, and each
     request's keys and values as dense [1, H_kv, S, D] arrays."""
-    pool = impl.TinyKvPagedPool(heads, D, page_size=page_size)
+    pool = impl.TinyKvPagedPool(heads, D, page_size=page_size, read_in_place=True)
     caches = [impl.TinyKvPagedCache(pool) for _ in lengths]
     dense = [(random_array((1, heads, n, D), seed + 2 * i), random_array((1, heads, n, D), seed + 2 * i + 1)) for i, n in enumerate(lengths)]  # fmt: skip
     for start in range(0, max(lengths), 3):
@@ -493,8 +493,8 @@ def tokenizer(tiny_gqa_ckpt):
 
 
 def small_block_pools(model, page_size):
-    """Pools whose attention walk reads one page (or 8 slots) per block."""
-    pools = model.create_kv_pools(page_size=page_size)
+    """Pools read in place, whose attention walk reads one page (or 8 slots) per block."""
+    pools = model.create_kv_pools(page_size=page_size, read_in_place=True)
     for pool in pools:
         pool.attention_block = max(page_size, 8)
     return pools

@@ -21,6 +21,9 @@ class TinyKvPagedPool:
     key_pages / value_pages are [capacity, H_kv, page_size, D]: page i is key_pages[i]. Pages
     0 .. num_pages - 1 have been handed out at least once; the capacity beyond them is room to
     grow into, added in blocks (see _grow) rather than one page at a time.
+
+    read_in_place (Week 3 Day 5): the model attends over this pool's pages where they lie,
+    through paged_attention, instead of gathering each request's pages into a dense copy.
     """
 
     grow_tokens = 256  # the capacity grows by at least this many token slots at a time
@@ -33,6 +36,7 @@ class TinyKvPagedPool:
         page_size: int = 16,
         max_pages: int | None = None,
         dtype: mx.Dtype = mx.float32,
+        read_in_place: bool = False,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -40,6 +44,7 @@ class TinyKvPagedPool:
             raise ValueError(f"max_pages must be >= 1 or None, got {max_pages}")
         self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
         self.max_pages, self.dtype = max_pages, dtype
+        self.read_in_place = read_in_place
         empty = (0, num_kv_heads, page_size, head_dim)
         self.key_pages = mx.zeros(empty, dtype=dtype)  # [capacity, H_kv, P, D]
         self.value_pages = mx.zeros(empty, dtype=dtype)
@@ -96,10 +101,6 @@ class TinyKvPagedPool:
 class TinyKvPagedCache(TinyKvCache):
     """One request's view of a pool: a page table and a token count."""
 
-    # attend() reads the pool's pages without a dense copy (Week 3 Day 5); False sends the
-    # model back to the Week 2 path, update_and_fetch's gather (the benchmark's baseline)
-    reads_in_place = True
-
     def __init__(self, pool: TinyKvPagedPool):
         self.pool = pool
         self.page_table: list[int] = []
@@ -108,6 +109,12 @@ class TinyKvPagedCache(TinyKvCache):
     @property
     def offset(self) -> int:
         return self._offset
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the model calls attend() (pages read in place) rather than update_and_fetch
+        (pages gathered into a dense copy): the pool's choice."""
+        return self.pool.read_in_place
 
     def _check(self, key: mx.array, value: mx.array) -> None:
         pool = self.pool
