@@ -172,8 +172,11 @@ class CourseDecode:
         if kind == "dense":
             requests = [model.create_kv_cache() for _ in range(batch)]
         else:
+            # the pages every request needs for one more token, allocated up front as a server
+            # would (a pool left to grow doubles, and would hold twice what it uses)
+            pages = batch * -(-(self.context + 1) // page_size)
             in_place = kind != "paged-gather"
-            self.pools = model.create_kv_pools(page_size=page_size, read_in_place=in_place)
+            self.pools = model.create_kv_pools(page_size, pages, read_in_place=in_place)
             for pool in self.pools:
                 pool.attention_block = block
             requests = [model.create_paged_kv_cache(self.pools) for _ in range(batch)]
