@@ -97,7 +97,8 @@ def test_attention_with_cache_matches_week1_attention(impl, tiny_ckpt):
 
 def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     """attend alone, against mx.fast.scaled_dot_product_attention: 3 rows on an empty cache
-    (square causal mask), then 2 rows on top (each sees the 3 cached rows and its own past)."""
+    (square causal mask), then 2 rows on top with the model's mask passed in (each sees the 3
+    cached rows and its own past). Building that 2 x 5 mask itself is Week 3 Day 2's task."""
     c = tiny_gqa_ckpt.config
     attention = impl.Qwen3Model(tiny_gqa_ckpt).layers[0].self_attn
     h, h_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
@@ -114,7 +115,7 @@ def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     first = attention.attend(q1, k1, v1, cache, None)
     want = mx.fast.scaled_dot_product_attention(q1, k1, v1, scale=scale, mask=causal(3, 3))
     assert_close(first, want, "3 rows on an empty cache")
-    second = attention.attend(q2, k2, v2, cache, None)
+    second = attention.attend(q2, k2, v2, cache, causal(2, 5))
     keys, values = mx.concatenate([k1, k2], axis=2), mx.concatenate([v1, v2], axis=2)
     want = mx.fast.scaled_dot_product_attention(q2, keys, values, scale=scale, mask=causal(2, 5))
     assert_close(second, want, "2 rows over 3 cached ones: they must see the cache too")

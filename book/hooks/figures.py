@@ -17,7 +17,8 @@ several lookups and numbers, with spaces around the operators:
 
     {{ model:decode[1].impls.ref.ms_per_step.median / model:decode[0].impls.ref.ms_per_step.median | .2f }}
 
-`{{ SOURCE:@file }}` writes the file's path (benches/results/...), to name it in the text.
+`{{ SOURCE:@file }}` writes the file's path (benches/results/...), to name it in the text, and
+a plot saved beside the results is an image of the site: `![what it shows](results/NAME.png)`.
 
 A number that was measured but has no committed JSON yet is a `pending:NAME` lookup, typed in
 book/results.yml together with the command that will measure it. Any error (an unknown source,
@@ -159,6 +160,15 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
             raise PluginError(f"{page.file.src_path}: {match.group(0)}: {error}") from None
 
     return PLACEHOLDER.sub(replace, markdown)
+
+
+def on_files(files, config):
+    """The plots beside the results are pages' images too: `![...](results/NAME.png)`."""
+    from mkdocs.structure.files import File
+
+    for plot in sorted(_results.results_dir.glob("*.png")):
+        files.append(File.generated(config, f"results/{plot.name}", abs_src_path=str(plot)))
+    return files
 
 
 def on_serve(server, config, builder):
