@@ -179,3 +179,19 @@ class StepLog:
 def release_all(cache) -> None:
     for layer_cache in cache:
         layer_cache.release()
+
+
+def assert_all_pages_free(pools, why: str) -> None:
+    """Every page of every pool is back on its free list; the message names the leak."""
+    in_use = [pool.num_in_use for pool in pools]
+    assert not any(in_use), f"{why}: pages still in use, per pool (layer): {in_use}"
+
+
+def assert_nothing_allocated(pools, why: str) -> None:
+    handed_out = [pool.num_allocations for pool in pools]
+    assert not any(handed_out), f"{why}: pages handed out, per pool (layer): {handed_out}"
+
+
+def assert_pools_used(pools) -> None:
+    handed_out = [pool.num_allocations for pool in pools]
+    assert all(handed_out), f"some pools were never used (pages handed out: {handed_out})"

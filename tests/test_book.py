@@ -55,7 +55,6 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"at least 99% of them", "a test's threshold"),
         (r"about \\\(-0\.28\\\), near \\\(z = -1\.28\\\)", "the minimum of silu, mathematics"),
     ],
-
     "week1-06-generate.md": [
         (r"42 times less work", "computed: 3,936 token-passes against 93"),
         (r"0\.40, 0\.25, 0\.15, 0\.10, 0\.05|0\.65 < 0\.75|is 0\.80", "a worked top-p example"),
@@ -115,7 +114,9 @@ def test_every_source_is_a_committed_file(results):
     )
     for name, file in results.sources.items():
         path = results.results_dir / file
-        assert path.is_file(), f"book/results.yml: source {name!r} names {file}, not in benches/results/"
+        assert path.is_file(), (
+            f"book/results.yml: source {name!r} names {file}, not in benches/results/"
+        )
         if tracked.returncode == 0:  # in a git checkout: the file must be committed
             assert f"benches/results/{file}" in tracked.stdout.split(), (
                 f"source {name!r}: benches/results/{file} is not committed (git add it)"
@@ -216,7 +217,9 @@ def test_site_has_no_tex_left_for_a_script(site):
         for delimiter in (r"\(", r"\)", r"\[", r"\]", "$$"):
             if delimiter in text:
                 at = text.index(delimiter)
-                raw.append(f"{page.relative_to(site)}: {delimiter!r} in {text[at - 40 : at + 40]!r}")
+                raw.append(
+                    f"{page.relative_to(site)}: {delimiter!r} in {text[at - 40 : at + 40]!r}"
+                )
     assert not raw, "TeX left unrendered outside code:\n" + "\n".join(raw)
     chunked = (site / "week3-02-chunked-prefill" / "index.html").read_text()
     assert chunked.count("<math") > 20, "chapter 3.2's formulas were not turned into MathML"
