@@ -11,9 +11,9 @@ at once and no two chapters can disagree:
 SOURCE is a short name from book/results.yml for one JSON file. PATH walks into it with keys
 and list indices (`decode[1].impls.mlx-lm.ms_per_step.median`); a key with a dot or a space
 goes in brackets and double quotes (`times["course, mx.softmax"]`). FORMAT is a Python format
-spec (`.1f`, `.0%`, `,.0f`); whole numbers and text (a version) may leave it out. A path that ends at a summary
-with median, min and max is written `median (min-max)`. The value may be arithmetic over
-several lookups and numbers, with spaces around the operators:
+spec (`.1f`, `.0%`, `,.0f`); whole numbers and text (a version) may leave it out. A path that
+ends at a summary with median, min and max is written `median (min-max)`. The value may be
+arithmetic over several lookups and numbers, with spaces around the operators:
 
     {{ model:decode[1].impls.ref.ms_per_step.median / model:decode[0].impls.ref.ms_per_step.median | .2f }}
 
