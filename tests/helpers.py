@@ -204,3 +204,19 @@ def run_ranks(script, args: list[str], out_dir, ranks: int = 2, timeout: float =
         found[r] = json.loads(path.read_text()) if path.is_file() else None
     found["output"] = f"mlx.launch exit status {status}; output:\n{log.read_text()[-4000:]}"
     return found
+
+
+def assert_all_pages_free(pools, why: str) -> None:
+    """Every page of every pool is back on its free list; the message names the leak."""
+    in_use = [pool.num_in_use for pool in pools]
+    assert not any(in_use), f"{why}: pages still in use, per pool (layer): {in_use}"
+
+
+def assert_nothing_allocated(pools, why: str) -> None:
+    handed_out = [pool.num_allocations for pool in pools]
+    assert not any(handed_out), f"{why}: pages handed out, per pool (layer): {handed_out}"
+
+
+def assert_pools_used(pools) -> None:
+    handed_out = [pool.num_allocations for pool in pools]
+    assert all(handed_out), f"some pools were never used (pages handed out: {handed_out})"
