@@ -18,6 +18,14 @@ from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
+from .quantize import (
+    QUANTIZED_LINEAR_PATHS,
+    QuantizedWeight,
+    default_quantized_linear,
+    dequantize,
+    quantize,
+)
+from .quantized_kv_cache import TinyKvQuantizedCache
 from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
@@ -30,11 +38,13 @@ from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 from .stall_free import Segment, forward_ragged, hybrid_step
 
 __all__ = [
+    "QUANTIZED_LINEAR_PATHS",
     "BatchStep",
     "BatchingKvCache",
     "CompileCache",
     "CompiledBlock",
     "PagePoolExhausted",
+    "QuantizedWeight",
     "Qwen3AttentionWithCache",
     "Qwen3BlockWithCache",
     "Qwen3MLP",
@@ -52,16 +62,20 @@ __all__ = [
     "TinyKvFullCache",
     "TinyKvPagedCache",
     "TinyKvPagedPool",
+    "TinyKvQuantizedCache",
     "attention_mask",
     "batch_generate",
     "causal_mask",
     "decode_step",
+    "default_quantized_linear",
+    "dequantize",
     "forward_ragged",
     "hybrid_step",
     "keep_top_p",
     "linear",
     "make_sampler",
     "prefill_query_width",
+    "quantize",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",
     "silu",

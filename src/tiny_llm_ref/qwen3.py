@@ -7,12 +7,13 @@ blocks' token-parallel halves may run compiled (shape-stable prefill).
 
 import mlx.core as mx
 
-from tiny_llm_support import Checkpoint
+from tiny_llm_support import Checkpoint, check_quant_format
 
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
+from .quantized_kv_cache import TinyKvQuantizedCache
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
 
@@ -83,7 +84,9 @@ class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab].
 
     compiled=True (Week 3 Day 3) runs every block's token-parallel halves through a
-    CompileCache of compile_capacity variants per half.
+    CompileCache of compile_capacity variants per half. quantized_linear (Week 4 Day 1) as for
+    Qwen3ModelWeek1; kv_bits=8 makes create_kv_cache hand out quantized caches (INT8, groups
+    of kv_group_size along the head dimension).
     """
 
     attention_cls = Qwen3AttentionWithCache
@@ -95,8 +98,19 @@ class Qwen3Model(Qwen3ModelWeek1):
         max_seq_len: int | None = None,
         compiled: bool = False,
         compile_capacity: int = 4,
+        quantized_linear: str | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
-        super().__init__(ckpt, max_seq_len)
+        if kv_bits is not None:
+            check_quant_format(kv_group_size, kv_bits, "Qwen3Model kv cache")
+            if ckpt.config.head_dim % kv_group_size != 0:
+                raise ValueError(
+                    f"head_dim {ckpt.config.head_dim} is not a multiple of kv_group_size "
+                    f"{kv_group_size}"
+                )
+        super().__init__(ckpt, max_seq_len, quantized_linear)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.compiled = compiled
         if compiled:
             self.layers = [CompiledBlock(layer, compile_capacity) for layer in self.layers]
@@ -107,12 +121,19 @@ class Qwen3Model(Qwen3ModelWeek1):
         names = ("compiles", "hits", "evictions", "traces")
         return {name: sum(getattr(c, name) for c in caches) for name in names}
 
-    def create_kv_cache(self) -> list[TinyKvFullCache]:
+    def create_kv_cache(self) -> list[TinyKvCache]:
+        if self.kv_bits is not None:
+            return [
+                TinyKvQuantizedCache(self.kv_group_size, self.kv_bits)
+                for _ in range(self.num_hidden_layers)
+            ]
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
 
     def create_kv_pools(
         self, page_size: int = 16, max_pages: int | None = None
     ) -> list[TinyKvPagedPool]:
+        if self.kv_bits is not None:
+            raise ValueError("the paged pools store float keys and values: use kv_bits=None")
         c = self.config
         return [
             TinyKvPagedPool(c.num_key_value_heads, c.head_dim, page_size, max_pages, self.dtype)

@@ -2,7 +2,7 @@
 synthetic tiny checkpoints, model names, and device / BLAS set-up."""
 
 from .checkpoint import Checkpoint, expected_shapes, load_checkpoint
-from .config import Qwen3Config
+from .config import QUANT_BITS, QUANT_GROUP_SIZES, Quantization, Qwen3Config, check_quant_format
 from .device import (
     OPENBLAS_HINT,
     blas_info,
@@ -19,6 +19,10 @@ from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "Qwen3Config",
+    "Quantization",
+    "QUANT_BITS",
+    "QUANT_GROUP_SIZES",
+    "check_quant_format",
     "Checkpoint",
     "load_checkpoint",
     "expected_shapes",
