@@ -71,7 +71,7 @@ def quantize_hint(w, got, group_size, bits) -> str:
             "the biases look like integer zero points: MLX stores the float value of code 0 "
             "(w = scale * q + bias), not a zero point z with w = scale * (q - z)"
         )
-    plain_scale = (groups.max(-1) - groups.min(-1)) / top
+    plain_scale = np.maximum((groups.max(-1) - groups.min(-1)) / top, 1e-7)
     if np.allclose(scales, plain_scale) and np.allclose(biases, groups.min(-1)):
         return (
             "scale = (max - min) / levels with bias = min is the plain affine rule; MLX gives "

@@ -1,7 +1,13 @@
 """What the course does not ask students to write: loading checkpoints and tokenizers,
 synthetic tiny checkpoints, model names, and device / BLAS set-up."""
 
-from .checkpoint import Checkpoint, expected_shapes, load_checkpoint
+from .checkpoint import (
+    Checkpoint,
+    expected_shapes,
+    load_checkpoint,
+    quantize_checkpoint,
+    quantize_weights,
+)
 from .config import QUANT_BITS, QUANT_GROUP_SIZES, Quantization, Qwen3Config, check_quant_format
 from .device import (
     OPENBLAS_HINT,
@@ -26,6 +32,8 @@ __all__ = [
     "Checkpoint",
     "load_checkpoint",
     "expected_shapes",
+    "quantize_checkpoint",
+    "quantize_weights",
     "make_tiny_checkpoint",
     "Tokenizer",
     "load_tokenizer",

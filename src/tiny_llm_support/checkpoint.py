@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-from .config import Qwen3Config
+from .config import Quantization, Qwen3Config, check_quant_format
 from .tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -55,6 +56,33 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
+
+
+def quantize_weights(
+    weights: dict[str, mx.array], group_size: int = 64, bits: int = 4
+) -> dict[str, mx.array]:
+    """The weights in MLX's affine format, as mlx-lm's convert writes them: each 2-D weight
+    whose input size group_size divides becomes codes, scales and biases (mx.quantize); norms
+    and the other weights stay float. A tensor held under two names (a tied head) is
+    quantized once."""
+    check_quant_format(group_size, bits, "quantize_weights")
+    out, done = {}, {}
+    for name, w in weights.items():
+        if w.ndim != 2 or w.shape[1] % group_size != 0:
+            out[name] = w
+            continue
+        if id(w) not in done:
+            done[id(w)] = mx.quantize(w, group_size=group_size, bits=bits)
+        layer = name.removesuffix(".weight")
+        out.update(zip([f"{layer}.{part}" for part in TENSOR_PARTS], done[id(w)]))
+    return out
+
+
+def quantize_checkpoint(ckpt: Checkpoint, bits: int = 4, group_size: int = 64) -> Checkpoint:
+    """A float checkpoint quantized in memory (quantize_weights), its config saying so."""
+    config = dataclasses.replace(ckpt.config, quantization=Quantization(group_size, bits))
+    weights = quantize_weights(ckpt.weights, group_size, bits)
+    return Checkpoint(ckpt.path, config, weights, ckpt.tokenizer)
 
 
 def to_mx_dtype(dtype: mx.Dtype | str) -> mx.Dtype:

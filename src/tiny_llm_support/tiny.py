@@ -11,7 +11,7 @@ import mlx.core as mx
 import numpy as np
 import tokenizers
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
+from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, quantize_weights
 from .config import Qwen3Config, check_quant_format
 from .tiny_tokenizer import tiny_tokenizer_config, tiny_tokenizer_json
 
@@ -53,7 +53,7 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
         config["quantization"] = config["quantization_config"] = fmt
     weights = _random_weights(Qwen3Config.from_dict(config, source="make_tiny_checkpoint"), seed)
     if bits is not None:
-        weights = _quantized(weights, group_size, int(bits))
+        weights = quantize_weights(weights, group_size, int(bits))
     if not 1 <= shards <= len(weights):
         raise ValueError(f"shards must be between 1 and {len(weights)}, got {shards}")
 
@@ -106,20 +106,6 @@ def _random_weights(config: Qwen3Config, seed: int) -> dict[str, mx.array]:
         noise = rng.standard_normal(shape).astype(np.float32)
         weights[name] = mx.array(noise * _scale(name, shape, config) + _offset(name))
     return weights
-
-
-def _quantized(weights: dict[str, mx.array], group_size: int, bits: int) -> dict[str, mx.array]:
-    """Each 2-D weight whose input size group_size divides becomes codes, scales and biases
-    (mx.quantize, as mlx-lm's convert does); norms and the other weights stay float."""
-    out = {}
-    for name, w in weights.items():
-        if w.ndim != 2 or w.shape[1] % group_size != 0:
-            out[name] = w
-            continue
-        layer = name.removesuffix(".weight")
-        codes, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
-        out.update({name: codes, f"{layer}.scales": scales, f"{layer}.biases": biases})
-    return out
 
 
 def _scale(name: str, shape: tuple[int, ...], config: Qwen3Config) -> np.float32:
