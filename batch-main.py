@@ -277,7 +277,7 @@ class Recorder:
             last = request.generated[-1] if request.generated else None
             stats.stop = "eos" if last in request.eos_token_ids else "length"  # hit max_seq_len
             return stats
-        raise ValueError(f"unknown BatchStep kind {step.kind!r}")
+        return None  # admit, wait, preempt, refuse: nothing to time
 
     def longest_gap(self) -> tuple[float, int | None, int]:
         """(seconds, request, prefill chunks that ran inside the gap)."""

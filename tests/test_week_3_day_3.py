@@ -102,9 +102,6 @@ def test_compile_cache_traces_once_per_shape(impl):
         cache(mx.ones((2, 3)))
     assert cache.traces == 1, f"five calls of one shape traced {cache.traces} times"
     assert (cache.compiles, cache.hits) == (1, 4)
-
-
-def test_compile_cache_refuses_a_capacity_below_one(impl):
     with pytest.raises(ValueError):
         impl.CompileCache(lambda x: x, capacity=0)
 

@@ -17,6 +17,7 @@ import mlx.core as mx
 from tiny_llm_support import Tokenizer
 
 from .batching_kv_cache import BatchingKvCache
+from .memory_planning import can_admit, free_pages, make_room, pages_for, refusal
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
 from .shape_stable import Ladder, query_ladder
@@ -69,6 +70,8 @@ class Request:
         self.is_prefill_done = False
         self.is_done = False
         self.query_width = query_ladder(model, query_padding)
+        self.pools = pools
+        self.admitted = 0  # when the scheduler admitted it last (Week 3 Day 6)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -78,6 +81,20 @@ class Request:
     def num_prefill_chunks(self) -> int:
         return -(-len(self.prompt_tokens) // self.prefill_max_step)
 
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What prefill puts in the cache: the prompt, and after a preemption (Week 3 Day 6)
+        also every generated token but the last, which is the next decode step's input."""
+        return self.prompt_tokens + self.generated[:-1]
+
+    @property
+    def longest(self) -> int:
+        """The most tokens this request can ever hold in its cache."""
+        limit = self.model.max_seq_len if self.max_seq_len is None else self.max_seq_len
+        if self.max_new_tokens is not None:
+            limit = min(limit, len(self.prompt_tokens) + self.max_new_tokens)
+        return limit
+
     def try_prefill(self) -> None:
         """Run the next slice of at most prefill_max_step prompt tokens at its absolute offset."""
         raise NotImplementedError(
@@ -85,10 +102,12 @@ class Request:
         )
 
     def chunk_done(self, n: int) -> bool:
-        """n more prompt tokens are in the cache; True when that completes the prompt."""
+        """n more prefill tokens are in the cache. True when that completes a fresh prompt,
+        whose last logits then give the first generated token (a request resumed after a
+        preemption already holds its next token)."""
         self.offset += n
-        self.is_prefill_done = self.offset == len(self.prompt_tokens)
-        return self.is_prefill_done
+        self.is_prefill_done = self.offset == len(self.prefill_tokens)
+        return self.is_prefill_done and not self.generated
 
     def materialize(self) -> None:
         for layer_cache in self.kv_cache:
@@ -102,13 +121,30 @@ class Request:
         the cache is rewound past them. A model that returns fewer rows than it was asked for
         has contracted the query axis: padding is switched off for it and the chunk re-run.
         """
-        start = self.offset
-        if self.query_width is not None and getattr(self.model, "query_padding_ok", True):
+        start, rows = self.offset, len(chunk)
+        width = self.padded_width(rows)
+        if width > rows:
             raise NotImplementedError(
-                "Week 3 Day 3, Task 4: pad the chunk, keep the last real row, rewind"
+                "Week 3 Day 3, Task 4: run the padded chunk, keep the last real row, rewind"
             )
         logits = self.model(mx.array([chunk]), start, self.kv_cache, logits_to_keep=1)
         return logits[0, -1]
+
+    def padded_width(self, rows: int) -> int:
+        """The width to run a chunk of `rows` rows at: its ladder width when padding is on
+        and the padded rows fit in the model's positions and in the free pages, else rows."""
+        if self.query_width is None or not getattr(self.model, "query_padding_ok", True):
+            return rows
+        width = self.query_width(rows, self.prefill_max_step)
+        fits = self.offset + width <= self.model.max_seq_len
+        return width if fits and pages_for(self, width) <= free_pages(self.pools) else rows
+
+    def preempt(self) -> None:
+        """Give every page back and start over: the generated tokens are kept, and the next
+        prefill recomputes the cache from prefill_tokens."""
+        raise NotImplementedError(
+            "Week 3 Day 6, Task 2: give the cache back, keep the generated tokens"
+        )
 
     def decode_done(self, token: int) -> None:
         """The last accepted token is now in the cache; `token` is the next one."""
@@ -151,10 +187,12 @@ def prompt_tokens(
 class BatchStep:
     """What one scheduler event did, for progress views and measurements.
 
-    kind "prefill": a prompt chunk of `tokens` rows ran for `request`; "decode": every request
-    in a slot got one token (`tokens` rows); "finish": `request` is done and released.
-    `slots` is a copy of the slot list at the moment of the event; `forward_pass` counts the
-    model calls of this batch_generate call, so events of the same pass share it.
+    kind "prefill": a chunk of `tokens` prompt rows ran for `request`; "decode": every
+    decoding request got one token (`tokens` rows); "finish": `request` is done and released.
+    With a bounded page pool (Week 3 Day 6) also "admit", "wait" (the next prompt waits for
+    pages), "preempt" (`request` gave its pages back) and "refuse" (`request` can never fit;
+    `detail` says why). `slots` is a copy of the slot list at the moment of the event;
+    `forward_pass` counts the model calls of the call, so events of one pass share it.
     """
 
     kind: str
@@ -162,6 +200,7 @@ class BatchStep:
     slots: list[Request | None]
     tokens: int = 0
     forward_pass: int = 0
+    detail: str = ""
 
 
 def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
@@ -187,8 +226,9 @@ def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> lis
 
 class Scheduler:
     """What one batch_generate call keeps from iteration to iteration, for either policy:
-    the prompts still waiting, the slots, the prompt being prefilled outside the slots (the
-    alternate policy), the finished texts, and a count of forward passes for the events."""
+    the prompts still waiting (as (prompt_idx, token ids), or as a preempted Request), the
+    slots, the prompt being prefilled outside the slots (the alternate policy), the page
+    pools, the finished texts, and a count of forward passes and admissions."""
 
     def __init__(
         self,
@@ -196,30 +236,73 @@ class Scheduler:
         new_request: Callable[[int, list[int]], Request],
         prompts: list[list[int]],
         batch_size: int,
+        pools: list[TinyKvPagedPool] | None = None,
         on_step: Callable[[BatchStep], None] | None = None,
     ):
         self.model = model
         self.new_request = new_request  # (prompt_idx, token ids) -> Request
-        self.pending = deque(enumerate(prompts))  # (prompt_idx, token ids), not admitted yet
+        self.pending: deque = deque(enumerate(prompts))
         self.slots: list[Request | None] = [None] * batch_size
         self.prefilling: Request | None = None
         self.batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
+        self.pools = pools
         self.results: dict[int, str] = {}
-        self.passes = 0
+        self.passes = self.admissions = 0
+        self.waiting: Request | None = None  # the prompt last reported as waiting for pages
         self.on_step = on_step
 
     @property
     def busy(self) -> bool:
         return bool(self.pending or self.prefilling or any(self.slots))
 
-    def report(self, kind: str, request: Request | None = None, tokens: int = 0) -> None:
+    def report(self, kind: str, request: Request | None = None, tokens: int = 0, detail="") -> None:
         if self.on_step is not None:
-            self.on_step(BatchStep(kind, request, list(self.slots), tokens, self.passes))
+            slots = list(self.slots)
+            self.on_step(BatchStep(kind, request, slots, tokens, self.passes, detail))
 
-    def admit(self) -> Request:
-        """The next waiting prompt, as a Request with fresh caches."""
-        idx, ids = self.pending.popleft()
-        return self.new_request(idx, ids)
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    def owed(self) -> int:
+        """Pages that admitted prompts still need to finish their prefill."""
+        prefilling = [r for r in [*self.slots, self.prefilling] if r and not r.is_prefill_done]
+        return sum(pages_for(r, len(r.prefill_tokens) - r.offset) for r in prefilling)
+
+    def admit(self) -> Request | None:
+        """The next waiting prompt as a Request, or None while none can start: a prompt that
+        can never fit is refused and skipped, one that does not fit now waits."""
+        while self.pending:
+            head = self.pending[0]
+            request = head if isinstance(head, Request) else self.new_request(*head)
+            self.pending[0] = request  # built once, however long it waits
+            reason = refusal(request.longest, self.pools)
+            if reason is not None:
+                self.pending.popleft()
+                self.report("refuse", request, detail=f"prompt {request.prompt_idx} {reason}")
+                continue
+            alone = self.prefilling is None and not any(self.slots)  # headroom is for others
+            if not alone and not can_admit(len(request.prefill_tokens), self.owed(), self.pools):
+                if self.waiting is not request:
+                    self.waiting = request
+                    self.report("wait", request)
+                return None
+            self.pending.popleft()
+            self.admissions += 1
+            request.admitted = self.admissions
+            self.report("admit", request)
+            return request
+        return None
+
+    def preempt(self, request: Request) -> None:
+        """Take a running request out of its slot, free its pages and queue it first."""
+        slot = next(i for i, r in enumerate(self.slots) if r is request)
+        self.slots[slot] = None
+        for layer_cache in self.batch_cache:
+            if layer_cache.slots[slot] is not None:
+                layer_cache.remove_request(slot)
+        request.preempt()
+        self.pending.appendleft(request)
+        self.report("preempt", request)
 
     def finish(self, request: Request) -> None:
         request.release()
@@ -239,6 +322,11 @@ class Scheduler:
         raise NotImplementedError(
             "Week 3 Day 1, Task 5: one iteration of the continuous-batching loop"
         )
+
+    def chunk_fits(self, request: Request) -> bool:
+        """Whether the pages of the request's next chunk are free (a chunk never preempts)."""
+        rows = min(request.prefill_max_step, len(request.prefill_tokens) - request.offset)
+        return pages_for(request, rows) <= free_pages(self.pools)
 
 
 def decode_step(
@@ -293,7 +381,7 @@ def batch_generate(
             budgets[idx], ignore_eos, query_padding,
         )  # fmt: skip
 
-    scheduler = Scheduler(model, new_request, tokens, batch_size, on_step)
+    scheduler = Scheduler(model, new_request, tokens, batch_size, pools, on_step)
     if policy == "hybrid":
         ladder = query_ladder(model, query_padding)
         step = lambda: hybrid_step(scheduler, prefill_step, ladder)
@@ -301,7 +389,10 @@ def batch_generate(
         step = scheduler.alternate_step
     try:
         while scheduler.busy:
+            before = (scheduler.passes, len(scheduler.pending), len(scheduler.results))
             step()
+            if before == (scheduler.passes, len(scheduler.pending), len(scheduler.results)):
+                raise RuntimeError(f"the {policy} scheduler made no progress in an iteration")
     finally:
         scheduler.release()
     return sorted(scheduler.results.items())
