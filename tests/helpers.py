@@ -179,3 +179,28 @@ class StepLog:
 def release_all(cache) -> None:
     for layer_cache in cache:
         layer_cache.release()
+
+
+def run_ranks(script, args: list[str], out_dir, ranks: int = 2, timeout: float = 300) -> dict:
+    """Run `python script args...` as `ranks` processes under mlx.launch (ring backend, this
+    machine). Each rank writes out_dir/rank<r>.json; returns {rank: its JSON or None} and the
+    launch's combined output under "output"."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from tiny_llm_support.launch import launch
+
+    out_dir = Path(out_dir)
+    log = out_dir / "launch.log"
+    with open(log, "w") as output:
+        try:
+            status = launch([str(script), *args], ranks, timeout=timeout, output=output)
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {timeout} s"
+    found = {}
+    for r in range(ranks):
+        path = out_dir / f"rank{r}.json"
+        found[r] = json.loads(path.read_text()) if path.is_file() else None
+    found["output"] = f"mlx.launch exit status {status}; output:\n{log.read_text()[-4000:]}"
+    return found

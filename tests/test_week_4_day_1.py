@@ -258,6 +258,9 @@ def test_quantized_checkpoint_matches_mlx_lm(impl, quantized_ckpt, quantized_lin
     want_step = mlx_lm_logits(quantized_ckpt.path, mx.concatenate([tokens, mx.array([[11]])], 1))
     assert_close(step[:, -1], want_step[:, -1], "a decode step after the prompt")
     release_all(cache)
+    if quantized_linear in ("kernel", "dequantize-per-call"):  # packed weights do not shard
+        with pytest.raises(ValueError, match="dequantize-at-load"):
+            model.shard(mx.distributed.init())
 
 
 @pytest.mark.parametrize("quantized_linear", ["kernel", "dequantize-at-load"])

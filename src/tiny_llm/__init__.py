@@ -36,11 +36,20 @@ from .qwen3_week1 import (
 from .sampler import keep_top_p, make_sampler
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 from .stall_free import Segment, forward_ragged, hybrid_step
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelAttention,
+    TensorParallelMLP,
+    rank_slice,
+    shard_blocks,
+)
 
 __all__ = [
     "QUANTIZED_LINEAR_PATHS",
     "BatchStep",
     "BatchingKvCache",
+    "ColumnParallelLinear",
     "CompileCache",
     "CompiledBlock",
     "PagePoolExhausted",
@@ -55,9 +64,12 @@ __all__ = [
     "RMSNorm",
     "Request",
     "RoPE",
+    "RowParallelLinear",
     "Scheduler",
     "Segment",
     "SimpleMultiHeadAttention",
+    "TensorParallelAttention",
+    "TensorParallelMLP",
     "TinyKvCache",
     "TinyKvFullCache",
     "TinyKvPagedCache",
@@ -76,8 +88,10 @@ __all__ = [
     "make_sampler",
     "prefill_query_width",
     "quantize",
+    "rank_slice",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",
+    "shard_blocks",
     "silu",
     "simple_generate",
     "simple_generate_with_kv_cache",

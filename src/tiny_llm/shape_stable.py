@@ -81,6 +81,7 @@ class CompiledBlock:
     compiled; attention over the cache runs between them as before."""
 
     def __init__(self, block, capacity: int = 4):
+        self.block = block
         self.self_attn = block.self_attn
         self.before_attention = CompileCache(block.before_attention, capacity)
         self.after_attention = CompileCache(block.after_attention, capacity)

@@ -13,6 +13,7 @@ from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
+from .quantize import QuantizedWeight
 from .quantized_kv_cache import TinyKvQuantizedCache
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
@@ -41,11 +42,15 @@ class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
         queries over the cache, built once per forward pass; None builds it here, and a cache
         that returns its own mask overrides both."""
         # BEGIN TASK Week 2 Day 1, Task 2: attention with a KV cache and an offset
-        b, l, _ = x.shape  # x [B, L, E]
         q, k, v = self.qkv(x, offset)  # [B, H, L, D], positions start at offset
         out = self.attend(q, k, v, cache, mask)  # [B, H, L, D]
-        return linear(out.swapaxes(1, 2).reshape(b, l, -1), self.wo)  # [B, L, E]
+        return self.project(out)  # [B, L, E]
         # END TASK
+
+    def project(self, out: mx.array) -> mx.array:
+        """The heads' outputs [B, H, L, D] side by side, through o_proj -> [B, L, E]."""
+        b, _, l, _ = out.shape
+        return linear(out.swapaxes(1, 2).reshape(b, l, -1), self.wo)
 
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, cache: TinyKvCache, mask: mx.array | str | None
@@ -75,8 +80,7 @@ class Qwen3BlockWithCache(Qwen3TransformerBlock):
         return self.self_attn.qkv(self.input_layernorm(x), offset)  # q, k, v [B, H(_kv), L, D]
 
     def after_attention(self, x: mx.array, attention: mx.array) -> mx.array:
-        b, _, l, _ = attention.shape  # attention [B, H, L, D]
-        h = x + linear(attention.swapaxes(1, 2).reshape(b, l, -1), self.self_attn.wo)
+        h = x + self.self_attn.project(attention)  # attention [B, H, L, D] -> [B, L, E]
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, L, E]
 
 
@@ -111,9 +115,33 @@ class Qwen3Model(Qwen3ModelWeek1):
                 )
         super().__init__(ckpt, max_seq_len, quantized_linear)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
-        self.compiled = compiled
+        self.compiled, self.compile_capacity = compiled, compile_capacity
+        self.group: mx.distributed.Group | None = None  # set by shard()
         if compiled:
             self.layers = [CompiledBlock(layer, compile_capacity) for layer in self.layers]
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallelism (Week 4 Day 2): keep only this rank's share of every block.
+
+        Every rank of `group` calls this on the same model and then runs the same inputs;
+        the embeddings, the norms and the output head stay whole on every rank.
+        """
+        from .tensor_parallel import shard_blocks  # that module builds on this one's classes
+
+        if self.group is not None:
+            raise ValueError(f"the model is already sharded over {self.group.size()} ranks")
+        blocks = [getattr(layer, "block", layer) for layer in self.layers]  # unwrap compiled
+        held = [(b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo) for b in blocks]
+        held += [(b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down) for b in blocks]
+        if any(isinstance(w, QuantizedWeight) for ws in held for w in ws):
+            raise ValueError(
+                "tensor parallelism splits float weights: to shard a quantized checkpoint, "
+                "build the model with quantized_linear='dequantize-at-load'"
+            )
+        blocks = shard_blocks(self.config, blocks, group)
+        if self.compiled:
+            blocks = [CompiledBlock(block, self.compile_capacity) for block in blocks]
+        self.layers, self.group = blocks, group
 
     def compile_stats(self) -> dict[str, int]:
         """compiles, hits, evictions and traces summed over every compiled half of every block."""
@@ -134,9 +162,9 @@ class Qwen3Model(Qwen3ModelWeek1):
     ) -> list[TinyKvPagedPool]:
         if self.kv_bits is not None:
             raise ValueError("the paged pools store float keys and values: use kv_bits=None")
-        c = self.config
+        h_kv = self.layers[0].self_attn.num_kv_heads  # this rank's KV heads once sharded
         return [
-            TinyKvPagedPool(c.num_key_value_heads, c.head_dim, page_size, max_pages, self.dtype)
+            TinyKvPagedPool(h_kv, self.config.head_dim, page_size, max_pages, self.dtype)
             for _ in range(self.num_hidden_layers)
         ]
 
