@@ -97,13 +97,14 @@ def test_attention_with_cache_matches_week1_attention(impl, tiny_ckpt):
 
 def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     """attend alone, against mx.fast.scaled_dot_product_attention: 3 rows on an empty cache
-    (square causal mask), then 2 rows on top (each sees the 3 cached rows and its own past)."""
+    (square causal mask), then one decode row on top (it sees the 3 cached rows and itself).
+    Several rows over a non-empty cache need Week 3 Day 2's rectangular mask."""
     c = tiny_gqa_ckpt.config
     attention = impl.Qwen3Model(tiny_gqa_ckpt).layers[0].self_attn
     h, h_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q1, q2 = random_kv((1, h, 3, d), 5)[0], random_kv((1, h, 2, d), 6)[0]
+    q1, q2 = random_kv((1, h, 3, d), 5)[0], random_kv((1, h, 1, d), 6)[0]
     k1, v1 = random_kv((1, h_kv, 3, d), 7)
-    k2, v2 = random_kv((1, h_kv, 2, d), 8)
+    k2, v2 = random_kv((1, h_kv, 1, d), 8)
     cache = impl.TinyKvFullCache()
     scale = d**-0.5
 
@@ -116,9 +117,9 @@ def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     assert_close(first, want, "3 rows on an empty cache")
     second = attention.attend(q2, k2, v2, cache, None)
     keys, values = mx.concatenate([k1, k2], axis=2), mx.concatenate([v1, v2], axis=2)
-    want = mx.fast.scaled_dot_product_attention(q2, keys, values, scale=scale, mask=causal(2, 5))
-    assert_close(second, want, "2 rows over 3 cached ones: they must see the cache too")
-    assert cache.offset == 5, "attend appends the new keys/values to the cache"
+    want = mx.fast.scaled_dot_product_attention(q2, keys, values, scale=scale, mask=causal(1, 4))
+    assert_close(second, want, "1 row over 3 cached ones: it must see the cache too")
+    assert cache.offset == 4, "attend appends the new keys/values to the cache"
 
 
 # --- Task 3: the model forward pass --------------------------------------------------------

@@ -59,6 +59,9 @@ def test_pool_allocates_frees_and_reuses(impl):
     assert (pool.num_pages, pool.num_in_use, pool.free_pages) == (3, 3, [])
     assert pool.key_pages[0].shape == pool.value_pages[0].shape == (H_KV, 4, D)
     assert pool.key_pages[0].dtype == mx.float32
+    for storage in (pool.key_pages, pool.value_pages):  # one array per layer, page i at [i]
+        assert isinstance(storage, mx.array) and storage.shape[1:] == (H_KV, 4, D)
+        assert storage.shape[0] >= pool.num_pages, "the storage has a row for every page made"
     pool.free(pages[1])
     assert (pool.num_pages, pool.num_in_use, pool.free_pages) == (3, 2, [pages[1]])
     assert pool.allocate() == pages[1], "a freed page is reused before a new one is made"

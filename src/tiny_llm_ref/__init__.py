@@ -12,6 +12,12 @@ from .attention import (
 from .basics import linear, silu, softmax
 from .batch import BatchStep, Request, Scheduler, batch_generate, decode_step
 from .batching_kv_cache import BatchingKvCache
+from .flash_attention import (
+    block_partial,
+    flash_attention,
+    merge_partials,
+    paged_attention,
+)
 from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
@@ -77,15 +83,19 @@ __all__ = [
     "TinyKvQuantizedCache",
     "attention_mask",
     "batch_generate",
+    "block_partial",
     "causal_mask",
     "decode_step",
     "default_quantized_linear",
     "dequantize",
+    "flash_attention",
     "forward_ragged",
     "hybrid_step",
     "keep_top_p",
     "linear",
     "make_sampler",
+    "merge_partials",
+    "paged_attention",
     "prefill_query_width",
     "quantize",
     "rank_slice",

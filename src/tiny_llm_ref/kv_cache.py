@@ -1,5 +1,5 @@
 """Week 2 Day 1: the KV cache interface and the dense, append-only cache.
-Week 3 Day 2 adds the materialize() hook, Week 3 Day 3 rewind()."""
+Week 3 Day 2 adds the materialize() hook, Week 3 Day 3 rewind(), Week 3 Day 5 attend()."""
 
 import mlx.core as mx
 
@@ -10,7 +10,12 @@ class TinyKvCache:
     update_and_fetch appends the new keys/values and returns everything cached, plus a mask:
     None means "plain causal over my contents", an array is a mask the cache built itself
     (the batching cache does that for rows of different lengths).
+
+    A cache whose reads_in_place is true also offers attend(): it appends and attends over its
+    own storage where it lies (Week 3 Day 5), and the attention layer calls that instead.
     """
+
+    reads_in_place = False
 
     @property
     def offset(self) -> int | list[int]:
@@ -19,6 +24,11 @@ class TinyKvCache:
     def update_and_fetch(
         self, key: mx.array, value: mx.array
     ) -> tuple[mx.array, mx.array, mx.array | None]:
+        raise NotImplementedError
+
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        """Append key/value [B, H_kv, L, D] and attend query [B, H_q, L, D] causally over
+        everything cached, reading the storage in place -> [B, H_q, L, D]."""
         raise NotImplementedError
 
     def materialize(self) -> None:

@@ -56,6 +56,8 @@ class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
         self, q: mx.array, k: mx.array, v: mx.array, cache: TinyKvCache, mask: mx.array | str | None
     ) -> mx.array:
         """Append k/v [B, H_kv, L, D] to the cache and attend q [B, H, L, D] over all of it."""
+        if cache.reads_in_place:  # Week 3 Day 5: pages read where they lie, no dense copy
+            return cache.attend(q, k, v)  # [B, H, L, D]
         # BEGIN TASK Week 2 Day 1, Task 2: append to the cache, then attend over everything in it
         keys, values, cache_mask = cache.update_and_fetch(k, v)  # [B, H_kv, S, D]
         if cache_mask is not None:
@@ -158,13 +160,18 @@ class Qwen3Model(Qwen3ModelWeek1):
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
 
     def create_kv_pools(
-        self, page_size: int = 16, max_pages: int | None = None
+        self, page_size: int = 16, max_pages: int | None = None, read_in_place: bool = False
     ) -> list[TinyKvPagedPool]:
+        """One pool per layer, for this rank's KV heads once sharded (Week 4 Day 2);
+        read_in_place: attention reads the pages where they lie (Week 3 Day 5) instead of
+        gathering them."""
         if self.kv_bits is not None:
             raise ValueError("the paged pools store float keys and values: use kv_bits=None")
-        h_kv = self.layers[0].self_attn.num_kv_heads  # this rank's KV heads once sharded
+        h_kv = self.layers[0].self_attn.num_kv_heads
         return [
-            TinyKvPagedPool(h_kv, self.config.head_dim, page_size, max_pages, self.dtype)
+            TinyKvPagedPool(
+                h_kv, self.config.head_dim, page_size, max_pages, self.dtype, read_in_place
+            )
             for _ in range(self.num_hidden_layers)
         ]
 
