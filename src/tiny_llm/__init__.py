@@ -24,6 +24,14 @@ from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
+from .quantize import (
+    QUANTIZED_LINEAR_PATHS,
+    QuantizedWeight,
+    default_quantized_linear,
+    dequantize,
+    quantize,
+)
+from .quantized_kv_cache import TinyKvQuantizedCache
 from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
@@ -44,12 +52,14 @@ from .tensor_parallel import (
 )
 
 __all__ = [
+    "QUANTIZED_LINEAR_PATHS",
     "BatchStep",
     "BatchingKvCache",
     "ColumnParallelLinear",
     "CompileCache",
     "CompiledBlock",
     "PagePoolExhausted",
+    "QuantizedWeight",
     "Qwen3AttentionWithCache",
     "Qwen3BlockWithCache",
     "Qwen3MLP",
@@ -70,11 +80,14 @@ __all__ = [
     "TinyKvFullCache",
     "TinyKvPagedCache",
     "TinyKvPagedPool",
+    "TinyKvQuantizedCache",
     "attention_mask",
     "batch_generate",
     "block_partial",
     "causal_mask",
     "decode_step",
+    "default_quantized_linear",
+    "dequantize",
     "flash_attention",
     "forward_ragged",
     "hybrid_step",
@@ -84,6 +97,7 @@ __all__ = [
     "merge_partials",
     "paged_attention",
     "prefill_query_width",
+    "quantize",
     "rank_slice",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",

@@ -7,12 +7,14 @@ blocks' token-parallel halves may run compiled (shape-stable prefill).
 
 import mlx.core as mx
 
-from tiny_llm_support import Checkpoint
+from tiny_llm_support import Checkpoint, check_quant_format
 
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
+from .quantize import QuantizedWeight
+from .quantized_kv_cache import TinyKvQuantizedCache
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
 
@@ -88,7 +90,9 @@ class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab].
 
     compiled=True (Week 3 Day 3) runs every block's token-parallel halves through a
-    CompileCache of compile_capacity variants per half.
+    CompileCache of compile_capacity variants per half. quantized_linear (Week 4 Day 1) as for
+    Qwen3ModelWeek1; kv_bits=8 makes create_kv_cache hand out quantized caches (INT8, groups
+    of kv_group_size along the head dimension).
     """
 
     attention_cls = Qwen3AttentionWithCache
@@ -100,8 +104,19 @@ class Qwen3Model(Qwen3ModelWeek1):
         max_seq_len: int | None = None,
         compiled: bool = False,
         compile_capacity: int = 4,
+        quantized_linear: str | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
     ):
-        super().__init__(ckpt, max_seq_len)
+        if kv_bits is not None:
+            check_quant_format(kv_group_size, kv_bits, "Qwen3Model kv cache")
+            if ckpt.config.head_dim % kv_group_size != 0:
+                raise ValueError(
+                    f"head_dim {ckpt.config.head_dim} is not a multiple of kv_group_size "
+                    f"{kv_group_size}"
+                )
+        super().__init__(ckpt, max_seq_len, quantized_linear)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.compiled, self.compile_capacity = compiled, compile_capacity
         self.group: mx.distributed.Group | None = None  # set by shard()
         if compiled:
@@ -118,6 +133,13 @@ class Qwen3Model(Qwen3ModelWeek1):
         if self.group is not None:
             raise ValueError(f"the model is already sharded over {self.group.size()} ranks")
         blocks = [getattr(layer, "block", layer) for layer in self.layers]  # unwrap compiled
+        held = [(b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo) for b in blocks]
+        held += [(b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down) for b in blocks]
+        if any(isinstance(w, QuantizedWeight) for ws in held for w in ws):
+            raise ValueError(
+                "tensor parallelism splits float weights: to shard a quantized checkpoint, "
+                "build the model with quantized_linear='dequantize-at-load'"
+            )
         blocks = shard_blocks(self.config, blocks, group)
         if self.compiled:
             blocks = [CompiledBlock(block, self.compile_capacity) for block in blocks]
@@ -129,7 +151,12 @@ class Qwen3Model(Qwen3ModelWeek1):
         names = ("compiles", "hits", "evictions", "traces")
         return {name: sum(getattr(c, name) for c in caches) for name in names}
 
-    def create_kv_cache(self) -> list[TinyKvFullCache]:
+    def create_kv_cache(self) -> list[TinyKvCache]:
+        if self.kv_bits is not None:
+            return [
+                TinyKvQuantizedCache(self.kv_group_size, self.kv_bits)
+                for _ in range(self.num_hidden_layers)
+            ]
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
 
     def create_kv_pools(
@@ -138,6 +165,8 @@ class Qwen3Model(Qwen3ModelWeek1):
         """One pool per layer, for this rank's KV heads once sharded (Week 4 Day 2);
         read_in_place: attention reads the pages where they lie (Week 3 Day 5) instead of
         gathering them."""
+        if self.kv_bits is not None:
+            raise ValueError("the paged pools store float keys and values: use kv_bits=None")
         h_kv = self.layers[0].self_attn.num_kv_heads
         return [
             TinyKvPagedPool(
