@@ -139,6 +139,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="without a terminal: print every Nth decode step",
     )
     p.add_argument("--plain", action="store_true", help="line output even on a terminal")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel ranks (mlx.launch)")
+    p.add_argument("--hostfile", help="with --tp: an mlx.launch hostfile (several machines)")
     args = p.parse_args(argv)
     if args.max_seq_len <= MIN_ANSWER_TOKENS:
         p.error(f"--max-seq-len must be more than {MIN_ANSWER_TOKENS}")
@@ -277,7 +279,7 @@ class Recorder:
             last = request.generated[-1] if request.generated else None
             stats.stop = "eos" if last in request.eos_token_ids else "length"  # hit max_seq_len
             return stats
-        raise ValueError(f"unknown BatchStep kind {step.kind!r}")
+        return None  # admit, wait, preempt, refuse: nothing to time
 
     def longest_gap(self) -> tuple[float, int | None, int]:
         """(seconds, request, prefill chunks that ran inside the gap)."""
@@ -491,6 +493,7 @@ def run(args: argparse.Namespace) -> int:
         choose_device,
         load_checkpoint,
     )
+    from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
     console = Console(highlight=False, markup=False)  # model text may contain [brackets]
     live = console.is_terminal and not args.plain
@@ -506,6 +509,9 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.tp > 1 and not in_ranks():
+        return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
+    group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
     package = importlib.import_module(SOLUTIONS[args.solution])
 
     try:
@@ -559,6 +565,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         model = package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len)
+        if group is not None:
+            model.shard(group)
+            out(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
         rec = Recorder()  # the clock starts when the requests arrive, after the model is built
 
         def on_step(step: Any) -> None:

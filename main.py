@@ -43,7 +43,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (mlx.launch)")
+    p.add_argument("--hostfile", help="with --tp: an mlx.launch hostfile (several machines)")
     args = p.parse_args(argv)
+    if args.tp < 1:
+        p.error("--tp must be >= 1")
+    if args.tp > 1 and args.temperature > 0 and args.seed is None:
+        p.error("--tp with --temperature > 0 needs --seed: every rank must sample the same token")
     if args.max_tokens < 0 or args.temperature < 0:
         p.error("--max-tokens and --temperature must be >= 0")
     if args.top_k is not None and args.top_k < 1:
@@ -53,11 +59,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int):
+def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, group=None):
     """(name of the loop, token iterator): the cached loop if it is written, else Week 1's."""
     eos = ckpt.tokenizer.eos_token_ids
     try:
         model = package.Qwen3Model(ckpt)
+        if group is not None:
+            model.shard(group)  # tensor parallelism: Week 4 Day 2
         stream = package.simple_generate_with_kv_cache(
             model, prompt_tokens, max_tokens, sampler, eos
         )
@@ -66,6 +74,8 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int):
             [] if first is None else [first], stream
         )
     except NotImplementedError:
+        if group is not None:
+            raise  # Week 1's loop has no sharded model
         model = package.Qwen3ModelWeek1(ckpt)
         loop = package.simple_generate(model, prompt_tokens, max_tokens, sampler, eos)
         return "Qwen3ModelWeek1 + simple_generate (no KV cache yet)", loop
@@ -80,12 +90,16 @@ def run(args: argparse.Namespace) -> int:
         load_checkpoint,
         resolve_model,
     )
+    from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
     package = importlib.import_module(SOLUTIONS[args.solution])
     try:
         device = choose_device(args.device)
         dtype = "float32" if device == "cpu" else "bfloat16"  # bf16 matmul is slow on the CPU
         path = resolve_model(args.model)
+        if args.tp > 1 and not in_ranks():
+            return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
+        group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
         ckpt = load_checkpoint(path, dtype=dtype)
         if ckpt.tokenizer is None:
             raise ValueError(f"{path} has no tokenizer.json")
@@ -109,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         sampler = package.make_sampler(args.temperature, args.top_k, args.top_p, args.seed)
-        loop, stream = start(package, ckpt, prompt_tokens, sampler, args.max_tokens)
+        loop, stream = start(package, ckpt, prompt_tokens, sampler, args.max_tokens, group)
         print(f"loop: {loop}; prompt: {len(prompt_tokens)} tokens\n")
         detok, n, t_first, stop = tokenizer.detokenizer(), 0, None, "max tokens"
         for token in stream:

@@ -304,6 +304,35 @@ def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> li
     return problems
 
 
+def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> list[str]:
+    """A student can do the days in order: with the tasks of every day up to D solved and all
+    later ones stubs, day D's tests pass, or fail only on a task that day D itself names (a task
+    that spans two days, like chunking try_prefill, is a stub until its last day)."""
+    problems = []
+    for (week, day), path in days.items():
+        package = workdir / f"up-to-{week}-{day}"
+        (package / "tiny_llm").mkdir(parents=True)
+        solved = lambda task, until=(week, day): max(task_days(task)) <= until
+        for name, text in generate_skeleton(stub=lambda t, ok=solved: not ok(t)).items():
+            (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
+        cases = run_day(path, env_with_path(package), workdir)
+        print(f"  in order   week {week} day {day}: {len(cases)} tests", flush=True)
+        for name, failure in cases:
+            if failure is None:
+                continue
+            named = [t for t in tasks if t in failure]
+            if not named:
+                problems.append(
+                    f"week {week} day {day} in order: {name} fails on no task:\n{failure}"
+                )
+            elif not any((week, day) in task_days(t) for t in named):
+                problems.append(
+                    f"week {week} day {day} in order: {name} reaches the later task {named[0]!r} "
+                    "from given code or an earlier day's task"
+                )
+    return problems
+
+
 def check_pasted_reference(days: dict, workdir: Path) -> list[str]:
     """With the reference modules pasted into a copy of tiny_llm, every test passes."""
     copy = workdir / "pasted"
@@ -339,6 +368,8 @@ def cmd_check_course(args: argparse.Namespace) -> int:
         problems += check_skeleton(days, Path(tmp))
         print("check-course: each task alone as a stub, its day's tests name it", flush=True)
         problems += check_each_task_is_tested(days, Path(tmp), tasks)
+        print("check-course: the days in order, later days' tasks left as stubs", flush=True)
+        problems += check_days_in_order(days, Path(tmp), tasks)
         print("check-course: each day's tests with the reference pasted in", flush=True)
         problems += check_pasted_reference(days, Path(tmp))
     for problem in problems:

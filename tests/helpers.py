@@ -179,3 +179,44 @@ class StepLog:
 def release_all(cache) -> None:
     for layer_cache in cache:
         layer_cache.release()
+
+
+def run_ranks(script, args: list[str], out_dir, ranks: int = 2, timeout: float = 300) -> dict:
+    """Run `python script args...` as `ranks` processes under mlx.launch (ring backend, this
+    machine). Each rank writes out_dir/rank<r>.json; returns {rank: its JSON or None} and the
+    launch's combined output under "output"."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from tiny_llm_support.launch import launch
+
+    out_dir = Path(out_dir)
+    log = out_dir / "launch.log"
+    with open(log, "w") as output:
+        try:
+            status = launch([str(script), *args], ranks, timeout=timeout, output=output)
+        except subprocess.TimeoutExpired:
+            status = f"timed out after {timeout} s"
+    found = {}
+    for r in range(ranks):
+        path = out_dir / f"rank{r}.json"
+        found[r] = json.loads(path.read_text()) if path.is_file() else None
+    found["output"] = f"mlx.launch exit status {status}; output:\n{log.read_text()[-4000:]}"
+    return found
+
+
+def assert_all_pages_free(pools, why: str) -> None:
+    """Every page of every pool is back on its free list; the message names the leak."""
+    in_use = [pool.num_in_use for pool in pools]
+    assert not any(in_use), f"{why}: pages still in use, per pool (layer): {in_use}"
+
+
+def assert_nothing_allocated(pools, why: str) -> None:
+    handed_out = [pool.num_allocations for pool in pools]
+    assert not any(handed_out), f"{why}: pages handed out, per pool (layer): {handed_out}"
+
+
+def assert_pools_used(pools) -> None:
+    handed_out = [pool.num_allocations for pool in pools]
+    assert all(handed_out), f"some pools were never used (pages handed out: {handed_out})"

@@ -309,6 +309,135 @@ def test_no_tokenizer_files(tmp_path):
     assert load_checkpoint(path).tokenizer is None
 
 
+# --- quantized checkpoints (MLX's affine format) --------------------------------------------
+
+DOWN = "model.layers.0.mlp.down_proj"
+
+
+@pytest.fixture(scope="module")
+def q4_dir(tmp_path_factory) -> Path:
+    return make_tiny_checkpoint(tmp_path_factory.mktemp("q4"), quantize=4)
+
+
+def test_quantized_tiny_checkpoint_is_what_mlx_lm_convert_writes(tmp_path, q4_dir):
+    from mlx_lm import convert
+
+    source = make_tiny_checkpoint(tmp_path / "float")
+    convert(str(source), str(tmp_path / "converted"), quantize=True, q_bits=4, q_group_size=64)
+    ours = mx.load(str(q4_dir / "model.safetensors"))
+    theirs = {}
+    for file in (tmp_path / "converted").glob("*.safetensors"):
+        theirs.update(mx.load(str(file)))
+    assert sorted(ours) == sorted(theirs)
+    for name, w in theirs.items():
+        assert ours[name].dtype == w.dtype and mx.array_equal(ours[name], w), name
+    config = json.loads((q4_dir / "config.json").read_text())
+    converted = json.loads((tmp_path / "converted" / "config.json").read_text())
+    for key in ("quantization", "quantization_config"):
+        assert config[key] == converted[key] == {"group_size": 64, "bits": 4, "mode": "affine"}
+
+
+def test_quantized_checkpoint_loads(q4_dir):
+    ckpt = load_checkpoint(q4_dir)
+    assert ckpt.config.quantization == support.Quantization(64, 4)
+    w = ckpt.weights
+    assert w[f"{DOWN}.weight"].dtype == mx.uint32 and w[f"{DOWN}.weight"].shape == (64, 16)
+    assert w[f"{DOWN}.scales"].shape == w[f"{DOWN}.biases"].shape == (64, 2)
+    for part in ("weight", "scales", "biases"):  # the tied head is the quantized embedding
+        assert w[f"lm_head.{part}"] is w[f"model.embed_tokens.{part}"]
+    cast = load_checkpoint(q4_dir, dtype="bfloat16").weights
+    assert cast[f"{DOWN}.weight"].dtype == mx.uint32, "codes are never cast"
+    assert cast[f"{DOWN}.scales"].dtype == mx.bfloat16
+    assert cast["lm_head.scales"] is cast["model.embed_tokens.scales"]
+
+
+def test_mlx_lm_oracle_holds_quantized_layers(q4_dir):
+    from mlx_lm.utils import load_model
+
+    ckpt = load_checkpoint(q4_dir)
+    tokens = mx.array([[1, 2, 3, 400]])
+    loaded, _ = load_model(q4_dir)
+    assert mx.array_equal(support.mlx_lm_qwen3(ckpt)(tokens), loaded(tokens))
+
+
+def test_quantization_config():
+    config = Qwen3Config.from_dict(
+        base_config(
+            quantization={
+                "group_size": 64,
+                "bits": 4,
+                DOWN: {"group_size": 32, "bits": 8},
+                "lm_head": False,
+            }
+        )
+    )
+    q = config.quantization
+    assert (q.of(DOWN), q.of("lm_head"), q.of("model.layers.1.mlp.up_proj")) == (
+        (32, 8),
+        None,
+        (64, 4),
+    )
+    assert Qwen3Config.from_dict(base_config()).quantization is None
+
+
+@pytest.mark.parametrize(
+    "entry, message",
+    [
+        ({"quantization": {"group_size": 32, "bits": 4, "mode": "mxfp4"}}, "mxfp4"),
+        ({"quantization": {"group_size": 64, "bits": 3}}, "bits"),
+        ({"quantization": {"group_size": 48, "bits": 4}}, "group_size"),
+        ({"quantization": {"bits": 4}}, "group_size"),
+        ({"quantization_config": {"quant_method": "awq", "bits": 4}}, "awq"),
+    ],
+)
+def test_quantization_config_refused(entry, message):
+    with pytest.raises(ValueError, match=rf"some/config\.json.*{message}"):
+        Qwen3Config.from_dict(base_config(**entry), source="some/config.json")
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (
+            lambda w: w.update({f"{DOWN}.scales": mx.zeros((64, 4))}),
+            rf"model\.safetensors: tensor {DOWN}\.scales has shape \[64, 4\], expected \[64, 2\]",
+        ),
+        (
+            lambda w: w.update({f"{DOWN}.weight": mx.zeros((64, 32), mx.uint32)}),
+            rf"tensor {DOWN}\.weight has shape \[64, 32\], expected \[64, 16\] \(4-bit codes",
+        ),
+        (lambda w: w.pop(f"{DOWN}.biases"), rf"tensor {DOWN}\.biases is missing"),
+        (
+            lambda w: w.update({f"{DOWN}.weight": mx.zeros((64, 16))}),
+            rf"{DOWN}\.weight is mlx\.core\.float32; .* uint32",
+        ),
+    ],
+    ids=["scales-shape", "packed-shape", "no-biases", "float-codes"],
+)
+def test_quantized_tensor_errors_name_file_and_tensor(tmp_path, edit, message):
+    path = make_tiny_checkpoint(tmp_path, quantize=4)
+    rewrite_weights(path, edit)
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path)
+
+
+def test_quantized_tensors_need_a_quantization_entry(tmp_path):
+    path = make_tiny_checkpoint(tmp_path, quantize=8)
+    config = json.loads((path / "config.json").read_text())
+    del config["quantization"], config["quantization_config"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"embed_tokens\.weight is quantized.*quantization"):
+        load_checkpoint(path)
+
+
+def test_quantized_group_size_leaves_layers_in_float(tmp_path):
+    """With groups of 128, layers with 64 inputs stay float (as mlx-lm's convert leaves them)."""
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path, quantize=8, group_size=128))
+    assert ckpt.weights["model.embed_tokens.weight"].dtype == mx.float32
+    assert "model.embed_tokens.scales" not in ckpt.weights
+    assert ckpt.weights[f"{DOWN}.weight"].dtype == mx.uint32  # 128 inputs: quantized
+
+
 # --- tokenizer ------------------------------------------------------------------------------
 
 
@@ -435,6 +564,8 @@ def test_streaming_finalize_drops_incomplete_tail(tokenizer):
 
 def test_shortcuts():
     assert SHORTCUTS["qwen3-0.6b"] == "Qwen/Qwen3-0.6B"
+    assert SHORTCUTS["qwen3-0.6b-4bit"] == "mlx-community/Qwen3-0.6B-4bit"
+    assert SHORTCUTS["qwen3-0.6b-8bit"] == "mlx-community/Qwen3-0.6B-8bit"
     assert set(SHORTCUTS) >= {"qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b"}
 
 

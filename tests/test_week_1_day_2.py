@@ -41,8 +41,8 @@ def test_task_3_rope_matches_mlx(impl, traditional, offset, B, L, H, D):
     rope = impl.RoPE(D, 32, traditional=traditional)
     x = randn((B, L, H, D), seed=B * 100 + L + offset)
     y = rope(x, offset)
-    assert y.shape == x.shape
-    assert y.dtype == x.dtype
+    assert y.shape == x.shape, "RoPE keeps the shape [B, L, H, D]"
+    assert y.dtype == x.dtype, "RoPE returns x's dtype"
     assert_close(y, oracle(x, traditional, 10000.0, offset))
 
 

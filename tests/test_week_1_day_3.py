@@ -54,7 +54,7 @@ BATCHES = [(), (2,), (2, 3)]
 def test_task_1_gqa_no_mask(impl, seed, batch, h_q, h_kv):
     q, k, v = make_qkv(batch, h_q, h_kv, L=5, S=7, D=16, seed=seed)
     out = impl.scaled_dot_product_attention_grouped(q, k, v)
-    assert out.shape == q.shape
+    assert out.shape == q.shape, "the output has the query's shape [..., H_q, L, D]"
     assert_close(out, oracle(q, k, v))
 
 

@@ -31,7 +31,7 @@ def test_rmsnorm_matches_mx_fast(impl, shape):
     x = _normal(shape, seed=1, scale=2.0, offset=0.5)
     weight = _norm_weight(dim, seed=2)
     y = impl.RMSNorm(dim, weight, eps=1e-6)(x)
-    assert y.shape == x.shape and y.dtype == mx.float32
+    assert y.shape == x.shape and y.dtype == mx.float32, "RMSNorm keeps the shape and dtype"
     expected = mx.fast.rms_norm(x, weight, 1e-6)
     np.testing.assert_allclose(np.array(y), np.array(expected), rtol=1e-5, atol=1e-5)
 
@@ -70,7 +70,9 @@ def test_rmsnorm_bf16_is_computed_in_float32_and_rounded_once(impl):
     )
     # and every element is within one bf16 step (2^-7 relative) of the exact value
     rel = mx.abs(y.astype(mx.float32) - exact) / mx.maximum(mx.abs(exact), 1e-6)
-    assert mx.max(rel).item() <= 2.0**-7
+    assert mx.max(rel).item() <= 2.0**-7, (
+        "an output is more than one bf16 step off: compute in float32, cast back once at the end"
+    )
     # the oracle rounds once more inside, so it agrees only to about two bf16 steps
     fast = mx.fast.rms_norm(x, weight, 1e-6).astype(mx.float32)
     np.testing.assert_allclose(np.array(y.astype(mx.float32)), np.array(fast), rtol=2e-2)
@@ -96,7 +98,7 @@ def test_rmsnorm_large_half_precision_values_do_not_overflow(impl, dtype):
 def test_silu_matches_mlx_nn(impl):
     x = mx.concatenate([mx.linspace(-30.0, 30.0, 121), _normal((200,), seed=9, scale=3.0)])
     y = impl.silu(x)
-    assert y.shape == x.shape and y.dtype == mx.float32
+    assert y.shape == x.shape and y.dtype == mx.float32, "silu keeps the shape and dtype"
     np.testing.assert_allclose(np.array(y), np.array(nn.silu(x)), rtol=1e-5, atol=1e-6)
     # very negative inputs give (minus) zero, never NaN
     far = impl.silu(mx.array([-200.0, -1000.0, 200.0]))
@@ -106,7 +108,7 @@ def test_silu_matches_mlx_nn(impl):
 def test_silu_keeps_the_dtype(impl):
     x = _normal((3, 40), seed=10, scale=4.0, dtype=mx.bfloat16)
     y = impl.silu(x)
-    assert y.dtype == mx.bfloat16
+    assert y.dtype == mx.bfloat16, "silu of bf16 input returns bf16"
     np.testing.assert_allclose(
         np.array(y.astype(mx.float32)),
         np.array(nn.silu(x).astype(mx.float32)),
@@ -139,7 +141,7 @@ def test_mlp_matches_mlx_lm(impl, shape):
     mlp, oracle = _mlp_pair(impl, dim=48, hidden=80, seed=11)
     x = _normal(shape, seed=12, scale=2.0)
     y = mlp(x)
-    assert y.shape == x.shape
+    assert y.shape == x.shape, "the MLP maps [..., E] back to [..., E]"
     np.testing.assert_allclose(np.array(y), np.array(oracle(x)), rtol=1e-5, atol=1e-5)
 
 

@@ -119,8 +119,8 @@ def test_model_logits_match_mlx_lm(impl, tiny_ckpt, prompt):
     tokens = _tokens(tiny_ckpt, PROMPTS[prompt])
     logits = model(tokens)
     b, l = tokens.shape
-    assert logits.shape == (b, l, tiny_ckpt.config.vocab_size)
-    assert logits.dtype == mx.float32
+    assert logits.shape == (b, l, tiny_ckpt.config.vocab_size), "logits: [B, L, vocab]"
+    assert logits.dtype == mx.float32, "a float32 checkpoint gives float32 logits"
     _close(logits, mlx_lm_logits(tiny_ckpt, tokens), f"logits for {prompt!r}")
 
 
@@ -165,7 +165,7 @@ def test_model_prefix_logits_and_shape_checks(impl, tiny_gqa_ckpt):
 def test_untied_model_uses_lm_head(impl, tiny_untied_ckpt):
     """With tie_word_embeddings false the output head is lm_head.weight, not the embedding."""
     ckpt = tiny_untied_ckpt
-    assert not ckpt.config.tie_word_embeddings
+    assert not ckpt.config.tie_word_embeddings, "the test needs an untied checkpoint"
     tokens = _tokens(ckpt, ["Hello, world"])
     logits = impl.Qwen3ModelWeek1(ckpt)(tokens)
     weights = dict(ckpt.weights)

@@ -28,7 +28,7 @@ def test_greedy_generation_matches_mlx_lm(impl, tiny_ckpt):
     argmax = lambda logits: mx.argmax(logits, axis=-1)  # Task 2's make_sampler() not needed yet
     tokens = list(impl.simple_generate(model, prompt, max_tokens=32, sampler=argmax))
     expected = mlx_lm_greedy(tiny_ckpt, prompt, 32)
-    assert [int(t) for t in tokens] == expected
+    assert [int(t) for t in tokens] == expected, "greedy tokens must equal mlx-lm's"
 
 
 def test_generation_stops_at_eos_and_at_max_tokens(impl, tiny_untied_ckpt):
@@ -61,10 +61,10 @@ def test_generation_uses_the_sampler_on_the_last_position(impl, tiny_gqa_ckpt):
         return mx.array([forced[len(seen) - 1]])
 
     tokens = [int(t) for t in impl.simple_generate(model, prompt, 4, sampler=scripted)]
-    assert tokens == forced
-    assert len(seen) == 4
+    assert tokens == forced, "every token is the sampler's choice"
+    assert len(seen) == 4, "one sampler call per generated token"
     for step, logits in enumerate(seen):
-        assert logits.shape == (1, ckpt.config.vocab_size)
+        assert logits.shape == (1, ckpt.config.vocab_size), "the sampler gets [1, V]"
         sequence = mx.array([prompt + forced[:step]])
         expected = model(sequence)[:, -1, :]
         np.testing.assert_allclose(np.array(logits), np.array(expected), rtol=1e-5, atol=1e-5)
@@ -134,7 +134,7 @@ def test_top_k(impl, top_k):
 def test_top_p(impl, top_p, kept):
     freq = _frequencies(impl.make_sampler(1.0, top_p=top_p, seed=2), LOGITS)
     expected = _expected_probs(LOGITS, 1.0, top_p=top_p)
-    assert np.count_nonzero(expected) == kept
+    assert np.count_nonzero(expected) == kept, "the test's own expectation"
     assert np.all(freq[expected == 0] == 0), "a token outside the top-p set was drawn"
     np.testing.assert_allclose(freq, expected, atol=TOLERANCE)
 
@@ -158,7 +158,9 @@ def test_top_k_top_p_and_temperature_together(impl):
     """Scale by 1/T, keep the top k, then the top-p set of what is left."""
     freq = _frequencies(impl.make_sampler(2.0, top_k=5, top_p=0.6, seed=4), LOGITS)
     expected = _expected_probs(LOGITS, 2.0, top_k=5, top_p=0.6)
-    assert np.all(freq[expected == 0] == 0)
+    assert np.all(freq[expected == 0] == 0), (
+        "a token outside the set was drawn: divide by T, cut to top-k, then top-p of what is left"
+    )
     np.testing.assert_allclose(freq, expected, atol=TOLERANCE)
 
 

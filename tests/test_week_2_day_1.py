@@ -41,7 +41,7 @@ def random_kv(shape, seed):
 
 def test_full_cache_appends_and_returns_everything(impl):
     cache = impl.TinyKvFullCache()
-    assert cache.offset == 0
+    assert cache.offset == 0, "a new cache holds nothing"
     b, h, d = 2, 3, 4
     all_k, all_v = [], []
     for i, length in enumerate([5, 1, 1, 3]):
@@ -68,10 +68,10 @@ def test_full_cache_rejects_mismatched_rows(impl):
             cache.update_and_fetch(mx.zeros(shape), mx.zeros(shape))
     assert cache.offset == 3, "a rejected append changes nothing"
     keys, values, _ = cache.update_and_fetch(*random_kv((1, 2, 1, 4), seed=1))
-    assert keys.shape == values.shape == (1, 2, 4, 4)
-    assert_close(keys[:, :, :3], k)
+    assert keys.shape == values.shape == (1, 2, 4, 4), "3 cached rows + 1: return all 4"
+    assert_close(keys[:, :, :3], k, "the rows cached before the rejected appends")
     cache.release()
-    assert cache.offset == 0
+    assert cache.offset == 0, "release() empties the cache"
     keys, _, _ = cache.update_and_fetch(*random_kv((1, 2, 2, 4), seed=2))
     assert keys.shape == (1, 2, 2, 4), "after release the cache starts empty"
 
@@ -88,22 +88,23 @@ def test_attention_with_cache_matches_week1_attention(impl, tiny_ckpt):
     x = mx.array(np.random.RandomState(0).standard_normal((1, 11, c.hidden_size)), mx.float32)
     cache = impl.TinyKvFullCache()
     outputs = [cached_attn(x[:, :6], 0, cache)]
-    assert cache.offset == 6
+    assert cache.offset == 6, "attention appends its 6 new keys/values to the cache"
     for i in range(6, 11):
         outputs.append(cached_attn(x[:, i : i + 1], i, cache))
-        assert cache.offset == i + 1
+        assert cache.offset == i + 1, "one decode row appends one key/value"
     assert_close(mx.concatenate(outputs, axis=1), full_attn(x), "attention with a cache")
 
 
 def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     """attend alone, against mx.fast.scaled_dot_product_attention: 3 rows on an empty cache
-    (square causal mask), then 2 rows on top (each sees the 3 cached rows and its own past)."""
+    (square causal mask), then one decode row on top (it sees the 3 cached rows and itself).
+    Several rows over a non-empty cache need Week 3 Day 2's rectangular mask."""
     c = tiny_gqa_ckpt.config
     attention = impl.Qwen3Model(tiny_gqa_ckpt).layers[0].self_attn
     h, h_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-    q1, q2 = random_kv((1, h, 3, d), 5)[0], random_kv((1, h, 2, d), 6)[0]
+    q1, q2 = random_kv((1, h, 3, d), 5)[0], random_kv((1, h, 1, d), 6)[0]
     k1, v1 = random_kv((1, h_kv, 3, d), 7)
-    k2, v2 = random_kv((1, h_kv, 2, d), 8)
+    k2, v2 = random_kv((1, h_kv, 1, d), 8)
     cache = impl.TinyKvFullCache()
     scale = d**-0.5
 
@@ -116,9 +117,9 @@ def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     assert_close(first, want, "3 rows on an empty cache")
     second = attention.attend(q2, k2, v2, cache, None)
     keys, values = mx.concatenate([k1, k2], axis=2), mx.concatenate([v1, v2], axis=2)
-    want = mx.fast.scaled_dot_product_attention(q2, keys, values, scale=scale, mask=causal(2, 5))
-    assert_close(second, want, "2 rows over 3 cached ones: they must see the cache too")
-    assert cache.offset == 5, "attend appends the new keys/values to the cache"
+    want = mx.fast.scaled_dot_product_attention(q2, keys, values, scale=scale, mask=causal(1, 4))
+    assert_close(second, want, "1 row over 3 cached ones: it must see the cache too")
+    assert cache.offset == 4, "attend appends the new keys/values to the cache"
 
 
 # --- Task 3: the model forward pass --------------------------------------------------------
@@ -150,7 +151,7 @@ def test_offsets_advance_by_rows_appended(impl, tiny_ckpt):
     c = tiny_ckpt.config
     model = impl.Qwen3Model(tiny_ckpt)
     cache = model.create_kv_cache()
-    assert len(cache) == c.num_hidden_layers == model.num_hidden_layers
+    assert len(cache) == c.num_hidden_layers == model.num_hidden_layers, "one cache per layer"
     tokens = prompt_tokens(tiny_ckpt)
     model(mx.array([tokens]), 0, cache)
     expected = len(tokens)
@@ -163,7 +164,10 @@ def test_offsets_advance_by_rows_appended(impl, tiny_ckpt):
     # whatever the storage (concatenated arrays or preallocated buffers), the cache returns
     # exactly `offset` rows
     keys, values, _ = cache[0].update_and_fetch(mx.zeros(kv_shape), mx.zeros(kv_shape))
-    assert keys.shape == values.shape == (1, c.num_key_value_heads, expected + 1, c.head_dim)
+    assert keys.shape == values.shape == (1, c.num_key_value_heads, expected + 1, c.head_dim), (
+        "update_and_fetch returns exactly the cached rows (the first offset positions), not the "
+        "whole preallocated buffer"
+    )
 
 
 def test_logits_to_keep_returns_the_tail(impl, tiny_ckpt):
@@ -175,7 +179,7 @@ def test_logits_to_keep_returns_the_tail(impl, tiny_ckpt):
     for keep in (1, 3, 9):
         cache = model.create_kv_cache()
         kept = model(rows, 0, cache, logits_to_keep=keep)
-        assert kept.shape == (2, keep, tiny_ckpt.config.vocab_size)
+        assert kept.shape == (2, keep, tiny_ckpt.config.vocab_size), "[B, logits_to_keep, V]"
         assert_close(kept, full[:, -keep:, :], f"logits_to_keep={keep}")
         assert cache[0].offset == 9, "every row is cached, whatever logits are kept"
     # the next token after a logits_to_keep=1 prefill still sees the whole prompt
@@ -189,7 +193,7 @@ def test_model_rejects_offset_that_does_not_match_cache(impl, tiny_gqa_ckpt):
     cache = model.create_kv_cache()
     with pytest.raises(ValueError):
         model(mx.array([[1, 2, 3]]), 2, cache)  # an empty cache starts at offset 0
-    assert cache[0].offset == 0
+    assert cache[0].offset == 0, "a rejected call appends nothing: check before the layers run"
     model(mx.array([[1, 2, 3, 4, 5]]), 0, cache)
     for wrong in (0, 4, 6):
         with pytest.raises(ValueError):
@@ -243,15 +247,15 @@ def test_generate_with_kv_cache_matches_simple_generate(impl, tiny_ckpt):
     spy = SpyModel(impl.Qwen3Model(tiny_ckpt))
     cached = list(impl.simple_generate_with_kv_cache(spy, tokens, max_tokens=DECODE_STEPS))
     plain = list(impl.simple_generate(impl.Qwen3ModelWeek1(tiny_ckpt), tokens, DECODE_STEPS))
-    assert len(cached) == DECODE_STEPS
-    assert cached == plain
-    assert all(isinstance(t, int) for t in cached)
+    assert len(cached) == DECODE_STEPS, "max_tokens tokens, no EOS among them"
+    assert cached == plain, "the cached loop must pick the tokens the Week 1 loop picks"
+    assert all(isinstance(t, int) for t in cached), "yield Python ints (.item())"
     p = len(tokens)
     assert spy.calls[0] == ((1, p), 0), "the first call is the whole prompt at offset 0"
     assert spy.calls[1:] == [((1, 1), p + i) for i in range(DECODE_STEPS - 1)], (
         "every later call feeds only the newest token at its position"
     )
-    assert len(spy.caches) == 1
+    assert len(spy.caches) == 1, "one set of caches per generation (create_kv_cache once)"
     assert all(layer_cache.offset == 0 for layer_cache in spy.caches[0]), (
         "the caches are released when generation ends"
     )
@@ -264,5 +268,9 @@ def test_generate_with_kv_cache_stops_at_eos(impl, tiny_gqa_ckpt):
     eos = full[5]
     stopped = list(impl.simple_generate_with_kv_cache(spy, tokens, 12, eos_token_ids={eos}))
     assert stopped == full[: full.index(eos) + 1], "the EOS token is yielded, then generation stops"
-    assert all(layer_cache.offset == 0 for layer_cache in spy.caches[-1])
-    assert list(impl.simple_generate_with_kv_cache(spy, tokens, max_tokens=0)) == []
+    assert all(layer_cache.offset == 0 for layer_cache in spy.caches[-1]), (
+        "the caches are released when generation stops at EOS (try / finally)"
+    )
+    assert list(impl.simple_generate_with_kv_cache(spy, tokens, max_tokens=0)) == [], (
+        "max_tokens=0 yields nothing"
+    )

@@ -15,6 +15,9 @@ from helpers import (
     ModelSpy,
     StepLog,
     TokenizerSpy,
+    assert_all_pages_free,
+    assert_nothing_allocated,
+    assert_pools_used,
     nth_call_of,
     prompt_with_tokens,
 )
@@ -87,7 +90,7 @@ def test_add_and_remove_request_guard_slots(impl):
     first, second = impl.TinyKvFullCache(), impl.TinyKvFullCache()
     batch.add_request(first, 2)
     batch.add_request(second, 0)
-    assert batch.active_slots == [0, 2]
+    assert batch.active_slots == [0, 2], "active_slots: the taken slots, in slot order"
     with pytest.raises(ValueError):
         batch.add_request(impl.TinyKvFullCache(), 2)  # taken
     with pytest.raises(ValueError):
@@ -95,13 +98,13 @@ def test_add_and_remove_request_guard_slots(impl):
     with pytest.raises(ValueError):
         batch.remove_request(1)  # empty
     assert batch.active_slots == [0, 2], "a refused add/remove must not change the slots"
-    assert batch.remove_request(2) is first
-    assert batch.active_slots == [0]
+    assert batch.remove_request(2) is first, "remove_request returns the cache the slot held"
+    assert batch.active_slots == [0], "remove_request empties the slot"
     with pytest.raises(ValueError):
         batch.remove_request(2)  # already removed
     batch.add_request(first, 1)  # a freed slot, or another one, takes a request again
-    assert batch.active_slots == [0, 1]
-    assert batch.slots[1] is first and batch.slots[0] is second
+    assert batch.active_slots == [0, 1], "an emptied slot can be taken again"
+    assert batch.slots[1] is first and batch.slots[0] is second, "each cache in its own slot"
 
 
 def test_update_and_fetch_pads_and_masks_each_row(impl):
@@ -195,11 +198,13 @@ def test_model_with_per_row_offsets_equals_each_row_alone(impl, model, tokenizer
             for layer_cache in batch_cache:
                 layer_cache.remove_request(slots[1])
             rows = [0, 2]
-        assert batch_cache[0].offset == [offsets[r] for r in rows]
+        assert batch_cache[0].offset == [offsets[r] for r in rows], (
+            "BatchingKvCache.offset: each active request's token count, in slot order"
+        )
         batched = model(
             mx.array([[tokens[r]] for r in rows]), [offsets[r] for r in rows], batch_cache
         )  # [B, 1, V]
-        assert batched.shape[:2] == (len(rows), 1)
+        assert batched.shape[:2] == (len(rows), 1), "one row of logits per active request"
         for b, r in enumerate(rows):
             single = model(mx.array([[tokens[r]]]), offsets[r], alone_caches[r])
             np.testing.assert_allclose(
@@ -230,22 +235,25 @@ def test_request_prefill_then_decode_alone(impl, model, tokenizer, oracle, paged
         pools=pools,
     )
     n = len(request.prompt_tokens)
-    assert not request.is_prefill_done and request.offset == 0
+    assert not request.is_prefill_done and request.offset == 0, "a new request has run nothing"
     request.try_prefill()
-    assert request.is_prefill_done and not request.is_done
+    assert request.is_prefill_done, "a prompt shorter than prefill_max_step: one call prefills it"
+    assert not request.is_done, "one token is far from every limit: the request goes on"
     assert request.offset == n, "after prefill the whole prompt is in the cache"
     assert request.generated == expected[:1], "prefill yields the first generated token"
     while not request.is_done:
-        assert request.offset == request.kv_cache[0].offset
+        assert request.offset == request.kv_cache[0].offset, "offset: the tokens in the cache"
         logits = model(mx.array([[request.generated[-1]]]), request.offset, request.kv_cache)
         request.decode_done(mx.argmax(logits[0, -1]).item())
-        assert request.offset == n + len(request.generated) - 1
-    assert request.generated == expected
-    assert n + len(request.generated) == MAX_SEQ_LEN
-    assert request.text() == tokenizer.decode(expected)
+        assert request.offset == n + len(request.generated) - 1, (
+            "decode_done: the previous token is now cached (offset + 1); the new one is not yet"
+        )
+    assert request.generated == expected, "the tokens of the request decoding alone"
+    assert n + len(request.generated) == MAX_SEQ_LEN, "done when prompt + generated = max_seq_len"
+    assert request.text() == tokenizer.decode(expected), "text(): the detokenized tokens"
     request.release()
     if paged:
-        assert all(pool.num_in_use == 0 for pool in pools)
+        assert_all_pages_free(pools, "Request.release() must release every layer's pages")
 
 
 # --- Task 5: batch_generate ------------------------------------------------------------------
@@ -277,8 +285,8 @@ def test_batched_equals_single_request(
     assert log.max_occupancy() == batch_size, "the slots should all be busy at some point"
     tracker.assert_all_released()
     if paged:
-        assert all(pool.num_allocations > 0 for pool in pools), "the pools were not used"
-        assert all(pool.num_in_use == 0 for pool in pools), "pages left in use"
+        assert_pools_used(pools)
+        assert_all_pages_free(pools, "every finished request must release its caches")
 
 
 def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
@@ -295,8 +303,9 @@ def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
         on_step=log,
     )
     assert out == [(i, tokenizer.decode(oracle(p))) for i, p in enumerate(prompts)]
-    assert log.max_occupancy() == 2
-    assert max(proxy.decode_batch_sizes) == 2 and min(proxy.decode_batch_sizes) >= 1
+    assert log.max_occupancy() == 2, "both slots should be busy at some point"
+    assert max(proxy.decode_batch_sizes) == 2, "a decode step should batch both slots"
+    assert min(proxy.decode_batch_sizes) >= 1, "never call the model with an empty batch"
     # Continuous, not static: a new prompt is prefilled while a request that was already
     # decoding when another one finished is still in its slot.
     seen_at_finish = []
@@ -309,8 +318,8 @@ def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
     assert refilled, "a freed slot must be refilled while the other slot keeps decoding"
     # One batched forward pass per decode step, not one call per decoded token.
     decoded = sum(len(oracle(p)) - 1 for p in prompts)  # the first token comes from prefill
-    assert sum(proxy.decode_batch_sizes) == decoded
-    assert proxy.count("decode") < decoded
+    assert sum(proxy.decode_batch_sizes) == decoded, "one decoded row per generated token"
+    assert proxy.count("decode") < decoded, "decode steps must batch rows, not run one by one"
 
 
 def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer, oracle):
@@ -331,9 +340,11 @@ def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer
         on_step=log,
     )
     assert out == [(0, tokenizer.decode([first]))]
-    assert log.finished == {0: [first]}
-    assert (proxy.count("prefill"), proxy.count("decode")) == (1, 0)
-    assert "decode" not in log.kinds()
+    assert log.finished == {0: [first]}, "the request finishes with its first token, EOS"
+    assert (proxy.count("prefill"), proxy.count("decode")) == (1, 0), (
+        "a request done after prefill takes no slot, so there is nothing to decode"
+    )
+    assert "decode" not in log.kinds(), "no decode step may run with every slot empty"
 
     # Among other prompts: it never takes a slot, the others are unaffected.
     prompts = ["How are you today?", "Hello", "xyz", "def add(a, b):\n    return a + b"]
@@ -350,7 +361,7 @@ def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer
     assert out == [(i, tokenizer.decode(oracle(p, eos=eos))) for i, p in enumerate(prompts)]
     assert out[1] == (1, tokenizer.decode([first]))
     hello = [r for kind, r, _ in log.steps if kind == "prefill" and r.prompt_idx == 1]
-    assert len(hello) == 1
+    assert len(hello) == 1, "the prompt is prefilled once"
     for kind, _, occupants in log.steps:
         assert not any(r is hello[0] for r in occupants), f"it sat in a slot at a {kind} step"
 
@@ -374,9 +385,9 @@ def test_max_seq_len_bounds_prompt_plus_generated(impl, model, tokenizer, oracle
         count = max(1, max_seq_len - n)  # stop once prompt + generated reaches max_seq_len
         want = oracle(prompt, max_seq_len=n + count)
         assert log.finished[i] == want, f"prompt of {n} tokens"
-        assert out[i][1] == tokenizer.decode(want)
+        assert out[i][1] == tokenizer.decode(want), f"the text of the prompt of {n} tokens"
         if want[-1] not in tokenizer.eos_token_ids:
-            assert len(want) == count
+            assert len(want) == count, f"prompt of {n} tokens: stop at max_seq_len"
 
 
 def test_prompts_as_token_ids_equal_their_text(impl, model, tokenizer, oracle):
@@ -441,13 +452,13 @@ def test_accept_records_tokens_and_stops_at_each_limit(impl, tokenizer):
     request.accept(eos)
     assert not request.is_done, "with ignore_eos, EOS is an ordinary token"
     request.accept(5)
-    assert not request.is_done
+    assert not request.is_done, "2 of max_new_tokens=3 generated: not done yet"
     request.accept(6)
     assert request.is_done, "max_new_tokens=3: done at the third generated token"
 
     request = impl.Request(stand_in, tokenizer, [1, 2, 3], max_seq_len=5)
     request.accept(5)
-    assert not request.is_done
+    assert not request.is_done, "3 prompt + 1 generated tokens: below max_seq_len=5"
     request.accept(6)
     assert request.is_done, "3 prompt + 2 generated tokens reach max_seq_len=5"
 
@@ -460,7 +471,7 @@ def test_accept_finalizes_text_that_ends_inside_a_character(impl, tokenizer):
     request = impl.Request(StandInModel(tokenizer.vocab_size), tokenizer, [1], max_new_tokens=cut)
     for token in tokens[:cut]:
         request.accept(token)
-    assert request.is_done
+    assert request.is_done, f"max_new_tokens={cut}: done"
     finalized = tokenizer.detokenizer()
     for token in tokens[:cut]:
         finalized.add_token(token)
@@ -512,8 +523,8 @@ def test_bad_limits_raise_before_any_cache(impl, model, tokenizer, monkeypatch, 
     kwargs = {"max_seq_len": MAX_SEQ_LEN, "batch_size": 2, "prefill_step": WHOLE_PROMPT}
     with pytest.raises(ValueError):
         impl.batch_generate(model, tokenizer, PROMPTS[:3], pools=pools, **{**kwargs, **limits})
-    assert tracker.created == []
-    assert all(pool.num_allocations == 0 for pool in pools)
+    assert tracker.created == [], "bad limits must be refused before any request cache exists"
+    assert_nothing_allocated(pools, "bad limits must be refused before any page is taken")
 
 
 @pytest.mark.parametrize(
@@ -542,14 +553,14 @@ def test_bad_prompt_raises_before_any_cache(impl, model, tokenizer, monkeypatch,
             max_new_tokens=budget,
         )
     assert tracker.created == [], "no request cache may exist when the input is refused"
-    assert all(pool.num_allocations == 0 for pool in pools)
+    assert_nothing_allocated(pools, "check every prompt before the first one is admitted")
 
 
 def test_no_prompts_returns_empty_list(impl, model, tokenizer, monkeypatch):
     tracker = CacheTracker(monkeypatch, model)
     proxy = ModelSpy(model)
     assert impl.batch_generate(proxy, tokenizer, [], max_seq_len=MAX_SEQ_LEN) == []
-    assert tracker.created == [] and proxy.calls == []
+    assert tracker.created == [] and proxy.calls == [], "no prompts: no cache, no model call"
 
 
 # --- faults ----------------------------------------------------------------------------------
@@ -590,5 +601,5 @@ def test_fault_propagates_and_releases_everything(
     assert tracker.created, "the fault should hit after some request caches exist"
     tracker.assert_all_released()
     if paged:
-        assert all(pool.num_allocations > 0 for pool in pools)
-        assert all(pool.num_in_use == 0 for pool in pools), "pages left in use after a fault"
+        assert_pools_used(pools)
+        assert_all_pages_free(pools, "after a fault the finally block must release every cache")

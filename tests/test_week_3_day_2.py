@@ -14,7 +14,16 @@ from collections import Counter
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import Call, Injected, ModelSpy, TokenizerSpy, prompt_with_tokens, release_all
+from helpers import (
+    Call,
+    Injected,
+    ModelSpy,
+    TokenizerSpy,
+    assert_all_pages_free,
+    assert_pools_used,
+    prompt_with_tokens,
+    release_all,
+)
 
 from tiny_llm_support import Tokenizer
 
@@ -68,13 +77,13 @@ def test_try_prefill_runs_one_chunk_per_call(impl, model, tokenizer, length):
     spy = ModelSpy(model)
     request = impl.Request(spy, tokenizer, prompt, prefill_max_step=step)
     ids = request.prompt_tokens
-    assert len(ids) == length
+    assert len(ids) == length, "the test's prompt has the intended length"
     starts = list(range(0, length, step))
     assert request.num_prefill_chunks == len(starts)
 
     for k, start in enumerate(starts):
-        assert not request.is_prefill_done
-        assert request.generated == []
+        assert not request.is_prefill_done, f"prefill done before chunk {k} of {len(starts)}"
+        assert request.generated == [], "a token was accepted before the last chunk"
         request.try_prefill()
         width = min(step, length - start)
         assert len(spy.calls) == k + 1, "one model call per try_prefill"
@@ -82,19 +91,23 @@ def test_try_prefill_runs_one_chunk_per_call(impl, model, tokenizer, length):
         assert call.shape == (1, width), f"chunk {k}: width"
         assert call.offset == start, f"chunk {k}: the absolute offset of the slice"
         assert call.tokens == [ids[start : start + width]], f"chunk {k}: the prompt slice"
-        assert call.cache is request.kv_cache
-        assert request.offset == start + width
-        assert request.is_prefill_done == (k == len(starts) - 1)
+        assert call.cache is request.kv_cache, "the model must get the request's own caches"
+        assert request.offset == start + width, f"chunk {k}: offset advances by its width"
+        assert request.is_prefill_done == (k == len(starts) - 1), (
+            f"chunk {k} of {len(starts)}: is_prefill_done only after the last chunk"
+        )
 
-    assert request.offset == length
+    assert request.offset == length, "after the last chunk the whole prompt is cached"
     # The first token comes from the last chunk's logits, which match a one-shot prefill.
     one_shot = model(mx.array([ids]), 0, model.create_kv_cache())
-    assert request.generated == [mx.argmax(one_shot[0, -1]).item()]
+    assert request.generated == [mx.argmax(one_shot[0, -1]).item()], (
+        "the first token is the argmax of the last chunk's last logits row"
+    )
 
     with pytest.raises(ValueError):
         request.try_prefill()
     assert len(spy.calls) == len(starts), "a refused try_prefill must not run the model"
-    assert request.offset == length
+    assert request.offset == length, "a refused try_prefill must not move the offset"
     request.release()
 
 
@@ -114,7 +127,7 @@ def test_causal_mask_three_by_eight(impl):
     )
     mask = impl.causal_mask(3, 8, mx.float32)
     assert mask.shape == (3, 8)
-    assert mask.dtype == mx.float32
+    assert mask.dtype == mx.float32, "causal_mask's dtype argument defaults to float32"
     np.testing.assert_array_equal(np.array(mask), expected)
     # The model picks this mask for a chunk that lands after cached tokens.
     np.testing.assert_array_equal(np.array(impl.attention_mask(3, 8, mx.float32)), expected)
@@ -139,7 +152,7 @@ def test_causal_mask_is_the_bottom_of_the_square_mask(impl):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
 def test_causal_mask_keeps_the_dtype(impl, dtype):
     mask = impl.causal_mask(2, 5, dtype)
-    assert mask.dtype == dtype
+    assert mask.dtype == dtype, "the mask has the dtype it was asked for"
     expected = np.triu(np.full((5, 5), -np.inf, dtype=np.float32), k=1)[3:]
     np.testing.assert_array_equal(np.array(mask.astype(mx.float32)), expected)
 
@@ -182,8 +195,14 @@ def test_chunked_prefill_logits_equal_one_shot(model, tokenizer, kind, chunk):
     for start in range(0, len(ids), chunk):
         pieces.append(model(mx.array([ids[start : start + chunk]]), start, cache))
     chunked = mx.concatenate(pieces, axis=1)
-    assert chunked.shape == expected.shape
-    np.testing.assert_allclose(np.array(chunked), np.array(expected), rtol=1e-4, atol=1e-4)
+    assert chunked.shape == expected.shape, "one logits row per prompt token"
+    np.testing.assert_allclose(
+        np.array(chunked),
+        np.array(expected),
+        rtol=1e-4,
+        atol=1e-4,
+        err_msg=f"chunks of {chunk}: check causal_mask's diagonal (S - L) and RoPE's offset",
+    )
 
     # The caches must agree too: the decode steps that read them give the same logits.
     token, offset = mx.argmax(expected[0, -1]).item(), len(ids)
@@ -197,7 +216,7 @@ def test_chunked_prefill_logits_equal_one_shot(model, tokenizer, kind, chunk):
     release_all(cache)
     release_all(one_shot_cache)
     if pools is not None:
-        assert all(pool.num_in_use == 0 for pool in pools)
+        assert_all_pages_free(pools, "release() on every layer")
 
 
 def test_later_chunks_are_rotated_at_their_absolute_positions(impl, model, tokenizer, monkeypatch):
@@ -263,7 +282,7 @@ def test_try_prefill_materializes_every_layer_after_every_chunk(impl, model, tok
             assert seen[layer] == [min(step * (j + 1), length) for j in range(k + 1)], (
                 f"layer {layer} after chunk {k} (the cache holds {done} tokens)"
             )
-    assert request.is_prefill_done
+    assert request.is_prefill_done, "the prompt is in after its last chunk"
     request.release()
 
 
@@ -286,7 +305,7 @@ def test_dense_materialize_evaluates_its_own_arrays(impl, monkeypatch):
     assert len(evaluated) == 2, "evaluate exactly the cached keys and values"
     assert any(a is cache.keys for a in evaluated), "the cache's own keys array"
     assert any(a is cache.values for a in evaluated), "the cache's own values array"
-    assert cache.offset == 5
+    assert cache.offset == 5, "materialize changes nothing in the cache"
 
 
 def test_paged_materialize_evaluates_its_pages_without_gathering(impl, monkeypatch):
@@ -296,9 +315,8 @@ def test_paged_materialize_evaluates_its_pages_without_gathering(impl, monkeypat
     for cache, n in [(mine, 5), (other, 3), (other, 4), (mine, 6)]:
         kv = mx.random.normal((1, 2, n, 8))
         cache.update_and_fetch(kv, -kv)
-    assert mine.page_table != list(range(len(mine.page_table)))
-    want = [pool.key_pages[p] for p in mine.page_table]
-    want += [pool.value_pages[p] for p in mine.page_table]
+    assert mine.page_table != list(range(len(mine.page_table))), "the test needs scattered pages"
+    want = [pool.key_pages, pool.value_pages]  # the pool's storage arrays themselves
 
     evaluated = []
     real_eval = mx.eval
@@ -318,12 +336,14 @@ def test_paged_materialize_evaluates_its_pages_without_gathering(impl, monkeypat
     monkeypatch.undo()
 
     assert Counter(map(id, evaluated)) == Counter(map(id, want)), (
-        "evaluate exactly the pool's key and value pages of this cache's page table"
+        "evaluate exactly the pool's two storage arrays, key_pages and value_pages (the pages "
+        "live in them: a slice or a row of them would be a new array, and evaluating it "
+        "computes the whole array anyway)"
     )
-    assert mine.offset == 11 and pool.num_in_use == 5
+    assert mine.offset == 11 and pool.num_in_use == 5, "materialize changes no page or offset"
     mine.release()
     other.release()
-    assert pool.num_in_use == 0
+    assert_all_pages_free([pool], "release() of both caches")
 
 
 def test_batching_cache_materialize_delegates_to_active_requests(impl):
@@ -401,10 +421,14 @@ def test_batch_generate_text_does_not_depend_on_prefill_step(
         on_step=on_step,
     )
     # prefill_step=512 is the unchunked run; every run equals each prompt generated alone.
-    assert result == list(enumerate(single_request_texts))
+    assert result == list(enumerate(single_request_texts)), (
+        f"prefill_step={prefill_step}: chunking must not change any text"
+    )
 
     prefills = [(request, offset) for kind_, request, offset, _ in steps if kind_ == "prefill"]
-    assert len(prefills) == sum(-(-n // prefill_step) for n in BATCH_PROMPT_TOKENS)
+    assert len(prefills) == sum(-(-n // prefill_step) for n in BATCH_PROMPT_TOKENS), (
+        "one try_prefill call per chunk of every prompt"
+    )
     done: dict[int, int] = {}
     for request, offset in prefills:
         grown = offset - done.get(id(request), 0)
@@ -416,7 +440,7 @@ def test_batch_generate_text_does_not_depend_on_prefill_step(
             following = [k for k, *_ in steps[i + 1 :] if k != "finish"]
             assert following[:1] == ["decode"], f"step {i}: decodes must not wait for two chunks"
     if pools is not None:
-        assert all(pool.num_in_use == 0 for pool in pools)
+        assert_all_pages_free(pools, "every finished request must release its pages")
 
 
 # --- failures return every page ------------------------------------------------------------
@@ -479,5 +503,5 @@ def test_failure_anywhere_returns_every_page(impl, model, tokenizer, monkeypatch
             runner, tok, prompts, max_seq_len=40, batch_size=2, prefill_step=4, pools=pools
         )
     assert in_use_at_failure and in_use_at_failure[0] > 0, "the failure hit a busy pool"
-    assert all(pool.num_allocations > 0 for pool in pools)
-    assert [pool.num_in_use for pool in pools] == [0] * len(pools), "every page returned"
+    assert_pools_used(pools)
+    assert_all_pages_free(pools, f"after a failure in {where}, the finally block must release")

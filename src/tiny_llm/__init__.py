@@ -10,15 +10,29 @@ from .attention import (
     scaled_dot_product_attention_simple,
 )
 from .basics import linear, silu, softmax
-from .batch import BatchStep, Request, batch_generate, decode_step
+from .batch import BatchStep, Request, Scheduler, batch_generate, decode_step
 from .batching_kv_cache import BatchingKvCache
+from .flash_attention import (
+    block_partial,
+    flash_attention,
+    merge_partials,
+    paged_attention,
+)
 from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
-from .qwen3 import Qwen3AttentionWithCache, Qwen3Model, attention_mask
+from .quantize import (
+    QUANTIZED_LINEAR_PATHS,
+    QuantizedWeight,
+    default_quantized_linear,
+    dequantize,
+    quantize,
+)
+from .quantized_kv_cache import TinyKvQuantizedCache
+from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
     Qwen3MultiHeadAttention,
@@ -26,12 +40,28 @@ from .qwen3_week1 import (
     take_weight,
 )
 from .sampler import keep_top_p, make_sampler
+from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
+from .stall_free import Segment, forward_ragged, hybrid_step
+from .tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelAttention,
+    TensorParallelMLP,
+    rank_slice,
+    shard_blocks,
+)
 
 __all__ = [
+    "QUANTIZED_LINEAR_PATHS",
     "BatchStep",
     "BatchingKvCache",
+    "ColumnParallelLinear",
+    "CompileCache",
+    "CompiledBlock",
     "PagePoolExhausted",
+    "QuantizedWeight",
     "Qwen3AttentionWithCache",
+    "Qwen3BlockWithCache",
     "Qwen3MLP",
     "Qwen3Model",
     "Qwen3ModelWeek1",
@@ -40,20 +70,38 @@ __all__ = [
     "RMSNorm",
     "Request",
     "RoPE",
+    "RowParallelLinear",
+    "Scheduler",
+    "Segment",
     "SimpleMultiHeadAttention",
+    "TensorParallelAttention",
+    "TensorParallelMLP",
     "TinyKvCache",
     "TinyKvFullCache",
     "TinyKvPagedCache",
     "TinyKvPagedPool",
+    "TinyKvQuantizedCache",
     "attention_mask",
     "batch_generate",
+    "block_partial",
     "causal_mask",
     "decode_step",
+    "default_quantized_linear",
+    "dequantize",
+    "flash_attention",
+    "forward_ragged",
+    "hybrid_step",
     "keep_top_p",
     "linear",
     "make_sampler",
+    "merge_partials",
+    "paged_attention",
+    "prefill_query_width",
+    "quantize",
+    "rank_slice",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",
+    "shard_blocks",
     "silu",
     "simple_generate",
     "simple_generate_with_kv_cache",

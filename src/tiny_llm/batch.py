@@ -1,10 +1,11 @@
-"""Week 3 Day 1 (continuous batching) and Week 3 Day 2 (chunked prefill).
+"""Week 3 Day 1 (continuous batching), Day 2 (chunked prefill) and Day 3 (query padding).
 
-The scheduler loop of batch_generate, each iteration:
+batch_generate runs a Scheduler until every prompt is done. One iteration of the "alternate"
+policy (Scheduler.alternate_step):
   admit a waiting prompt when a slot is free and nothing is being prefilled,
   prefill at most prefill_step tokens of the prompt being prefilled,
-  decode one token for every request in a slot,
-until the queue, the prefill and the slots are all empty.
+  decode one token for every request in a slot.
+The "hybrid" policy of Week 3 Day 4 (stall_free.hybrid_step) puts both into one forward pass.
 """
 
 from collections import deque
@@ -16,8 +17,11 @@ import mlx.core as mx
 from tiny_llm_support import Tokenizer
 
 from .batching_kv_cache import BatchingKvCache
+from .memory_planning import can_admit, free_pages, make_room, pages_for, refusal
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
+from .shape_stable import Ladder, query_ladder
+from .stall_free import hybrid_step
 
 
 class Request:
@@ -26,7 +30,9 @@ class Request:
     `prompt` is text (encoded here) or a list of token ids. A request is done at an EOS token
     (unless ignore_eos), after max_new_tokens generated tokens, or when prompt plus generated
     tokens reach max_seq_len, whichever comes first. prefill_max_step is the chunk budget,
-    the same setting as batch_generate's prefill_step.
+    the same setting as batch_generate's prefill_step. query_padding (Week 3 Day 3) pads each
+    chunk to a width of prefill_query_width's ladder (True), of a ladder function given here,
+    or not at all (False); None means padding exactly when the model runs compiled.
     """
 
     def __init__(
@@ -40,6 +46,7 @@ class Request:
         pools: list[TinyKvPagedPool] | None = None,
         max_new_tokens: int | None = None,
         ignore_eos: bool = False,
+        query_padding: bool | Ladder | None = None,
     ):
         if prefill_max_step < 1:
             raise ValueError(f"prefill_max_step must be >= 1, got {prefill_max_step}")
@@ -62,6 +69,9 @@ class Request:
         self.offset = 0  # tokens in the cache
         self.is_prefill_done = False
         self.is_done = False
+        self.query_width = query_ladder(model, query_padding)
+        self.pools = pools
+        self.admitted = 0  # when the scheduler admitted it last (Week 3 Day 6)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -71,10 +81,69 @@ class Request:
     def num_prefill_chunks(self) -> int:
         return -(-len(self.prompt_tokens) // self.prefill_max_step)
 
+    @property
+    def prefill_tokens(self) -> list[int]:
+        """What prefill puts in the cache: the prompt, and after a preemption (Week 3 Day 6)
+        also every generated token but the last, which is the next decode step's input."""
+        return self.prompt_tokens + self.generated[:-1]
+
+    @property
+    def longest(self) -> int:
+        """The most tokens this request can ever hold in its cache."""
+        limit = self.model.max_seq_len if self.max_seq_len is None else self.max_seq_len
+        if self.max_new_tokens is not None:
+            limit = min(limit, len(self.prompt_tokens) + self.max_new_tokens)
+        return limit
+
     def try_prefill(self) -> None:
         """Run the next slice of at most prefill_max_step prompt tokens at its absolute offset."""
         raise NotImplementedError(
             "Week 3 Day 1, Task 3 and Week 3 Day 2, Task 1: prefill the prompt in chunks"
+        )
+
+    def chunk_done(self, n: int) -> bool:
+        """n more prefill tokens are in the cache. True when that completes a fresh prompt,
+        whose last logits then give the first generated token (a request resumed after a
+        preemption already holds its next token)."""
+        self.offset += n
+        self.is_prefill_done = self.offset == len(self.prefill_tokens)
+        return self.is_prefill_done and not self.generated
+
+    def materialize(self) -> None:
+        for layer_cache in self.kv_cache:
+            layer_cache.materialize()
+
+    def forward_chunk(self, chunk: list[int]) -> mx.array:
+        """Run `chunk` at the request's offset and return the logits [V] of its last token.
+
+        With query padding the chunk is widened to self.query_width(rows, prefill_max_step)
+        rows by repeating its last token; the padded rows come after every real row, their logits are dropped and
+        the cache is rewound past them. A model that returns fewer rows than it was asked for
+        has contracted the query axis: padding is switched off for it and the chunk re-run.
+        """
+        start, rows = self.offset, len(chunk)
+        width = self.padded_width(rows)
+        if width > rows:
+            raise NotImplementedError(
+                "Week 3 Day 3, Task 4: run the padded chunk, keep the last real row, rewind"
+            )
+        logits = self.model(mx.array([chunk]), start, self.kv_cache, logits_to_keep=1)
+        return logits[0, -1]
+
+    def padded_width(self, rows: int) -> int:
+        """The width to run a chunk of `rows` rows at: its ladder width when padding is on
+        and the padded rows fit in the model's positions and in the free pages, else rows."""
+        if self.query_width is None or not getattr(self.model, "query_padding_ok", True):
+            return rows
+        width = self.query_width(rows, self.prefill_max_step)
+        fits = self.offset + width <= self.model.max_seq_len
+        return width if fits and pages_for(self, width) <= free_pages(self.pools) else rows
+
+    def preempt(self) -> None:
+        """Give every page back and start over: the generated tokens are kept, and the next
+        prefill recomputes the cache from prefill_tokens."""
+        raise NotImplementedError(
+            "Week 3 Day 6, Task 2: give the cache back, keep the generated tokens"
         )
 
     def decode_done(self, token: int) -> None:
@@ -118,10 +187,12 @@ def prompt_tokens(
 class BatchStep:
     """What one scheduler event did, for progress views and measurements.
 
-    kind "prefill": a prompt chunk of `tokens` rows ran for `request`; "decode": every request
-    in a slot got one token (`tokens` rows); "finish": `request` is done and released.
-    `slots` is a copy of the slot list at the moment of the event; `forward_pass` counts the
-    model calls of this batch_generate call, so events of the same pass share it.
+    kind "prefill": a chunk of `tokens` prompt rows ran for `request`; "decode": every
+    decoding request got one token (`tokens` rows); "finish": `request` is done and released.
+    With a bounded page pool (Week 3 Day 6) also "admit", "wait" (the next prompt waits for
+    pages), "preempt" (`request` gave its pages back) and "refuse" (`request` can never fit;
+    `detail` says why). `slots` is a copy of the slot list at the moment of the event;
+    `forward_pass` counts the model calls of the call, so events of one pass share it.
     """
 
     kind: str
@@ -129,6 +200,7 @@ class BatchStep:
     slots: list[Request | None]
     tokens: int = 0
     forward_pass: int = 0
+    detail: str = ""
 
 
 def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
@@ -152,6 +224,124 @@ def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> lis
     return budgets
 
 
+class Scheduler:
+    """What one batch_generate call keeps from iteration to iteration, for either policy:
+    the prompts still waiting (as (prompt_idx, token ids), or as a preempted Request), the
+    slots, the prompt being prefilled outside the slots (the alternate policy), the page
+    pools, the finished texts, and a count of forward passes and admissions."""
+
+    def __init__(
+        self,
+        model: Qwen3Model,
+        new_request: Callable[[int, list[int]], Request],
+        prompts: list[list[int]],
+        batch_size: int,
+        pools: list[TinyKvPagedPool] | None = None,
+        on_step: Callable[[BatchStep], None] | None = None,
+    ):
+        self.model = model
+        self.new_request = new_request  # (prompt_idx, token ids) -> Request
+        self.pending: deque = deque(enumerate(prompts))
+        self.slots: list[Request | None] = [None] * batch_size
+        self.prefilling: Request | None = None
+        self.batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
+        self.pools = pools
+        self.results: dict[int, str] = {}
+        self.passes = self.admissions = 0
+        self.waiting: Request | None = None  # the prompt last reported as waiting for pages
+        self.on_step = on_step
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or self.prefilling or any(self.slots))
+
+    def report(self, kind: str, request: Request | None = None, tokens: int = 0, detail="") -> None:
+        if self.on_step is not None:
+            slots = list(self.slots)
+            self.on_step(BatchStep(kind, request, slots, tokens, self.passes, detail))
+
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    def owed(self) -> int:
+        """Pages that admitted prompts still need to finish their prefill."""
+        prefilling = [r for r in [*self.slots, self.prefilling] if r and not r.is_prefill_done]
+        return sum(pages_for(r, len(r.prefill_tokens) - r.offset) for r in prefilling)
+
+    def admit(self) -> Request | None:
+        """The next waiting prompt as a Request, or None while none can start: a prompt that
+        can never fit is refused and skipped, one that does not fit now waits."""
+        while self.pending:
+            head = self.pending[0]
+            request = head if isinstance(head, Request) else self.new_request(*head)
+            self.pending[0] = request  # built once, however long it waits
+            reason = refusal(request.longest, self.pools)
+            if reason is not None:
+                self.pending.popleft()
+                self.report("refuse", request, detail=f"prompt {request.prompt_idx} {reason}")
+                continue
+            alone = self.prefilling is None and not any(self.slots)  # headroom is for others
+            if not alone and not can_admit(len(request.prefill_tokens), self.owed(), self.pools):
+                if self.waiting is not request:
+                    self.waiting = request
+                    self.report("wait", request)
+                return None
+            self.pending.popleft()
+            self.admissions += 1
+            request.admitted = self.admissions
+            self.report("admit", request)
+            return request
+        return None
+
+    def preempt(self, request: Request) -> None:
+        """Take a running request out of its slot, free its pages and queue it first."""
+        slot = next(i for i, r in enumerate(self.slots) if r is request)
+        self.slots[slot] = None
+        for layer_cache in self.batch_cache:
+            if layer_cache.slots[slot] is not None:
+                layer_cache.remove_request(slot)
+        request.preempt()
+        self.pending.appendleft(request)
+        self.report("preempt", request)
+
+    def finish(self, request: Request) -> None:
+        request.release()
+        self.results[request.prompt_idx] = request.text()
+        self.report("finish", request)
+
+    def release(self) -> None:
+        """Return every cache still held: the slots' requests and the one being prefilled."""
+        for layer_cache in self.batch_cache:
+            layer_cache.release()  # releases the caches of the requests it batches
+        for request in [*self.slots, self.prefilling]:
+            if request is not None:
+                request.release()
+
+    def alternate_step(self) -> None:
+        """One iteration: admit, prefill one chunk, then one batched decode step."""
+        raise NotImplementedError(
+            "Week 3 Day 1, Task 5: one iteration of the continuous-batching loop"
+        )
+
+    def chunk_fits(self, request: Request) -> bool:
+        """Whether the pages of the request's next chunk are free (a chunk never preempts)."""
+        rows = min(request.prefill_max_step, len(request.prefill_tokens) - request.offset)
+        return pages_for(request, rows) <= free_pages(self.pools)
+
+
+def decode_step(
+    model: Qwen3Model,
+    slots: list[Request | None],
+    batch_cache: list[BatchingKvCache],
+    finish: Callable[[Request], None],
+) -> None:
+    """One token for every active request, in one batched forward pass."""
+    raise NotImplementedError("Week 3 Day 1, Task 5: one batched decode step")
+
+
+POLICIES = ("alternate", "hybrid")
+
+
 def batch_generate(
     model: Qwen3Model,
     tokenizer: Tokenizer,
@@ -163,21 +353,46 @@ def batch_generate(
     on_step: Callable[[BatchStep], None] | None = None,
     max_new_tokens: int | list[int | None] | None = None,
     ignore_eos: bool = False,
+    query_padding: bool | Ladder | None = None,
+    policy: str = "alternate",
 ) -> list[tuple[int, str]]:
     """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
 
-    prefill_step is the chunk budget (Request's prefill_max_step). Prompts are text or token
-    ids; max_new_tokens is one limit for all or one per prompt. Every prompt and limit is
-    checked before any cache exists.
+    prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
+    is the token budget of a whole forward pass, decode rows included. Prompts are text or
+    token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
+    Request. Every prompt and limit is checked before any cache exists.
     """
-    raise NotImplementedError("Week 3 Day 1, Task 5: the continuous-batching scheduler loop")
+    check_limits(max_seq_len, batch_size, prefill_step)
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+    budgets = output_budgets(max_new_tokens, len(prompts))
+    vocab = model.config.vocab_size
+    tokens = [prompt_tokens(tokenizer, p, vocab, idx) for idx, p in enumerate(prompts)]
+    for idx, ids in enumerate(tokens):
+        if len(ids) > max_seq_len:
+            raise ValueError(
+                f"prompt {idx} has {len(ids)} tokens, more than max_seq_len={max_seq_len}"
+            )
 
+    def new_request(idx: int, ids: list[int]) -> Request:
+        return Request(
+            model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
+            budgets[idx], ignore_eos, query_padding,
+        )  # fmt: skip
 
-def decode_step(
-    model: Qwen3Model,
-    slots: list[Request | None],
-    batch_cache: list[BatchingKvCache],
-    finish: Callable[[Request], None],
-) -> None:
-    """One token for every active request, in one batched forward pass."""
-    raise NotImplementedError("Week 3 Day 1, Task 5: one batched decode step")
+    scheduler = Scheduler(model, new_request, tokens, batch_size, pools, on_step)
+    if policy == "hybrid":
+        ladder = query_ladder(model, query_padding)
+        step = lambda: hybrid_step(scheduler, prefill_step, ladder)
+    else:
+        step = scheduler.alternate_step
+    try:
+        while scheduler.busy:
+            before = (scheduler.passes, len(scheduler.pending), len(scheduler.results))
+            step()
+            if before == (scheduler.passes, len(scheduler.pending), len(scheduler.results)):
+                raise RuntimeError(f"the {policy} scheduler made no progress in an iteration")
+    finally:
+        scheduler.release()
+    return sorted(scheduler.results.items())

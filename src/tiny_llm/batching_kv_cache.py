@@ -3,11 +3,15 @@
 Each slot holds one request's own cache for this layer (dense or paged). A batched step
 appends one token per active request to that request's cache, then copies the rows into one
 padded batch and masks the padding, so no row attends to another row's positions.
+Week 3 Day 5: when every active request is paged on one pool, a step reads their pages in
+place instead, through one padded page table.
 """
 
 import mlx.core as mx
 
-from .kv_cache import TinyKvCache
+from .flash_attention import paged_attention
+from .kv_cache import TinyKvCache, check_rewind
+from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache
 
 
 class BatchingKvCache(TinyKvCache):
@@ -30,6 +34,14 @@ class BatchingKvCache(TinyKvCache):
         """The token count of each active request, in slot order (one per batch row)."""
         return [self.slots[i].offset for i in self.active_slots]
 
+    @property
+    def reads_in_place(self) -> bool:
+        """True when every active request is a paged cache that reads in place, all on one
+        pool."""
+        caches = [self.slots[i] for i in self.active_slots]
+        paged = all(isinstance(c, TinyKvPagedCache) and c.reads_in_place for c in caches)
+        return bool(caches) and paged and len({id(c.pool) for c in caches}) == 1
+
     def add_request(self, prefilled: TinyKvCache, slot: int) -> None:
         raise NotImplementedError("Week 3 Day 1, Task 1: put a prefilled request cache into a slot")
 
@@ -41,6 +53,24 @@ class BatchingKvCache(TinyKvCache):
     ) -> tuple[mx.array, mx.array, mx.array]:
         # key/value [B, H_kv, 1, D], row b belongs to the b-th active slot
         raise NotImplementedError("Week 3 Day 1, Task 2: batched append with per-row masks")
+
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        """One decode token per active request: query [B, H_q, 1, D], key/value [B, H_kv, 1, D],
+        row b for the b-th active slot -> [B, H_q, 1, D], every row over its own pages."""
+        active = self.active_slots
+        if key.shape[0] != len(active) or key.shape[2] != 1 or query.shape[0] != len(active):
+            raise ValueError(
+                f"batched decode takes one token for each of the {len(active)} active "
+                f"requests, got query {query.shape} and key {key.shape}"
+            )
+        caches = [self.slots[i] for i in active]
+        pool = caches[0].pool
+        new_pages = sum(c.offset % pool.page_size == 0 for c in caches)  # rows at a page's end
+        if not pool.can_allocate(new_pages):
+            raise PagePoolExhausted(f"this step needs {new_pages} new pages; the pool is full")
+        raise NotImplementedError(
+            "Week 3 Day 5, Task 4: batched decode over every request's pages in place"
+        )
 
     def _reserve(self, length: int, like: mx.array) -> None:
         """Make the padded batch hold `length` positions.
@@ -58,6 +88,12 @@ class BatchingKvCache(TinyKvCache):
 
     def materialize(self) -> None:
         raise NotImplementedError("Week 3 Day 2, Task 3: materialize every active request cache")
+
+    def rewind(self, length: list[int]) -> None:
+        """One length per active request, in slot order, as `offset` gives them."""
+        raise NotImplementedError(
+            "Week 3 Day 3, Task 3: roll every active request back to its length"
+        )
 
     def release(self) -> None:
         """Release every request cache still in a slot and empty the slots."""

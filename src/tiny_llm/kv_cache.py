@@ -1,5 +1,5 @@
 """Week 2 Day 1: the KV cache interface and the dense, append-only cache.
-Week 3 Day 2 adds the materialize() hook."""
+Week 3 Day 2 adds the materialize() hook, Week 3 Day 3 rewind(), Week 3 Day 5 attend()."""
 
 import mlx.core as mx
 
@@ -10,7 +10,12 @@ class TinyKvCache:
     update_and_fetch appends the new keys/values and returns everything cached, plus a mask:
     None means "plain causal over my contents", an array is a mask the cache built itself
     (the batching cache does that for rows of different lengths).
+
+    A cache whose reads_in_place is true also offers attend(): it appends and attends over its
+    own storage where it lies (Week 3 Day 5), and the attention layer calls that instead.
     """
+
+    reads_in_place = False
 
     @property
     def offset(self) -> int | list[int]:
@@ -21,8 +26,17 @@ class TinyKvCache:
     ) -> tuple[mx.array, mx.array, mx.array | None]:
         raise NotImplementedError
 
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        """Append key/value [B, H_kv, L, D] and attend query [B, H_q, L, D] causally over
+        everything cached, reading the storage in place -> [B, H_q, L, D]."""
+        raise NotImplementedError
+
     def materialize(self) -> None:
         """Evaluate the cache's own storage so the lazy graph does not keep growing."""
+        raise NotImplementedError
+
+    def rewind(self, length: int | list[int]) -> None:
+        """Roll the cached length back to `length`; what lies past it is overwritten later."""
         raise NotImplementedError
 
     def release(self) -> None:
@@ -68,6 +82,16 @@ class TinyKvFullCache(TinyKvCache):
             "Week 3 Day 2, Task 3: evaluate the dense cache's key/value arrays"
         )
 
+    def rewind(self, length: int) -> None:
+        raise NotImplementedError(
+            "Week 3 Day 3, Task 3: roll the dense cache back to `length` tokens"
+        )
+
     def release(self) -> None:
         self.keys, self.values = None, None
         self._offset = 0
+
+
+def check_rewind(length: int, offset: int) -> None:
+    if not 0 <= length <= offset:
+        raise ValueError(f"cannot rewind a cache of {offset} tokens to {length}: use 0..{offset}")

@@ -1,4 +1,5 @@
-"""Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook.
+"""Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook, Week 3 Day 3
+rewind(), Week 3 Day 5 attention that reads the pages where they lie.
 
 A pool owns fixed-size pages of key/value storage for one layer; a request's cache owns only
 a page table (which pages hold its tokens, in order). Releasing a request returns its pages.
@@ -6,7 +7,8 @@ a page table (which pages hold its tokens, in order). Releasing a request return
 
 import mlx.core as mx
 
-from .kv_cache import TinyKvCache
+from .flash_attention import paged_attention
+from .kv_cache import TinyKvCache, check_rewind
 
 
 class PagePoolExhausted(RuntimeError):
@@ -14,7 +16,18 @@ class PagePoolExhausted(RuntimeError):
 
 
 class TinyKvPagedPool:
-    """Pages of one layer: key_pages[i] / value_pages[i] are [H_kv, page_size, D] arrays."""
+    """Pages of one layer, in one array each for keys and values.
+
+    key_pages / value_pages are [capacity, H_kv, page_size, D]: page i is key_pages[i]. Pages
+    0 .. num_pages - 1 have been handed out at least once; the capacity beyond them is room to
+    grow into, added in blocks (see _grow) rather than one page at a time.
+
+    read_in_place (Week 3 Day 5): the model attends over this pool's pages where they lie,
+    through paged_attention, instead of gathering each request's pages into a dense copy.
+    """
+
+    grow_tokens = 256  # the capacity grows by at least this many token slots at a time
+    attention_block = 128  # token slots paged attention reads per step of its walk (Week 3 Day 5)
 
     def __init__(
         self,
@@ -23,6 +36,7 @@ class TinyKvPagedPool:
         page_size: int = 16,
         max_pages: int | None = None,
         dtype: mx.Dtype = mx.float32,
+        read_in_place: bool = False,
     ):
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -30,16 +44,19 @@ class TinyKvPagedPool:
             raise ValueError(f"max_pages must be >= 1 or None, got {max_pages}")
         self.num_kv_heads, self.head_dim, self.page_size = num_kv_heads, head_dim, page_size
         self.max_pages, self.dtype = max_pages, dtype
-        self.key_pages: list[mx.array] = []
-        self.value_pages: list[mx.array] = []
+        self.read_in_place = read_in_place
+        empty = (0, num_kv_heads, page_size, head_dim)
+        self.key_pages = mx.zeros(empty, dtype=dtype)  # [capacity, H_kv, P, D]
+        self.value_pages = mx.zeros(empty, dtype=dtype)
+        self.num_pages = 0  # physical pages created so far (in use or free)
         self.free_pages: list[int] = []
         self.num_allocations = 0  # pages handed out over the pool's life (reuse counts again)
         self.peak_in_use = 0
 
     @property
-    def num_pages(self) -> int:
-        """Physical pages created so far (in use or free)."""
-        return len(self.key_pages)
+    def capacity(self) -> int:
+        """Pages the storage arrays have room for."""
+        return self.key_pages.shape[0]
 
     @property
     def num_in_use(self) -> int:
@@ -54,6 +71,20 @@ class TinyKvPagedPool:
         """Hand out a free page, reusing a released one before creating a new one."""
         raise NotImplementedError("Week 2 Day 2, Task 1: allocate a page (reuse freed pages first)")
 
+    def _grow(self) -> None:
+        """New storage arrays with room for more pages: twice the capacity, and at least
+        grow_tokens more slots, but never more than max_pages. The pages made so far are copied
+        over once; growing by doubling keeps that copying linear in the final size."""
+        more = -(-self.grow_tokens // self.page_size)
+        capacity = max(2 * self.capacity, self.capacity + more)
+        if self.max_pages is not None:
+            capacity = min(capacity, self.max_pages)
+        shape = (capacity, self.num_kv_heads, self.page_size, self.head_dim)
+        keys, values = mx.zeros(shape, dtype=self.dtype), mx.zeros(shape, dtype=self.dtype)
+        keys[: self.capacity] = self.key_pages
+        values[: self.capacity] = self.value_pages
+        self.key_pages, self.value_pages = keys, values
+
     def free(self, page: int) -> None:
         raise NotImplementedError("Week 2 Day 2, Task 1: return a page to the free list")
 
@@ -62,7 +93,8 @@ class TinyKvPagedPool:
         raise NotImplementedError("Week 2 Day 2, Task 2: write keys/values into a page")
 
     def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
-        """The first `length` tokens stored in `pages`, as dense [H_kv, length, D] arrays."""
+        """The first `length` tokens stored in `pages`, as dense [H_kv, length, D] arrays (a
+        copy: the Week 2 way to read pages, which Week 3 Day 5 replaces with paged_attention)."""
         raise NotImplementedError("Week 2 Day 2, Task 2: read pages back in page-table order")
 
 
@@ -78,6 +110,12 @@ class TinyKvPagedCache(TinyKvCache):
     def offset(self) -> int:
         return self._offset
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the model calls attend() (pages read in place) rather than update_and_fetch
+        (pages gathered into a dense copy): the pool's choice."""
+        return self.pool.read_in_place
+
     def _check(self, key: mx.array, value: mx.array) -> None:
         pool = self.pool
         expected = (1, pool.num_kv_heads, key.shape[2], pool.head_dim)
@@ -89,13 +127,32 @@ class TinyKvPagedCache(TinyKvCache):
         if key.dtype != pool.dtype or value.dtype != pool.dtype:
             raise ValueError(f"pool stores {pool.dtype}, got {key.dtype} and {value.dtype}")
 
-    def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
-        # key/value [1, H_kv, L, D]
+    def append(self, key: mx.array, value: mx.array) -> None:
+        """Write key/value [1, H_kv, L, D] into the request's pages, allocating what it needs."""
         raise NotImplementedError("Week 2 Day 2, Task 3: append through the page table")
+
+    def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
+        """Append, then gather every cached token into dense [1, H_kv, S, D] arrays."""
+        self.append(key, value)
+        keys, values = self.pool.gather(self.page_table, self._offset)  # [H_kv, S, D]
+        return keys[None], values[None], None  # [1, H_kv, S, D]
+
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        """Append key/value [1, H_kv, L, D], then attend query [1, H_q, L, D] causally over every
+        cached token, reading the pages where they lie -> [1, H_q, L, D]."""
+        raise NotImplementedError(
+            "Week 3 Day 5, Task 3: append, then attend over the pages in place"
+        )
 
     def materialize(self) -> None:
         raise NotImplementedError(
             "Week 3 Day 2, Task 3: evaluate the pool pages without gathering them"
+        )
+
+    def rewind(self, length: int) -> None:
+        """Keep the first `length` tokens; pages that only held later tokens go back to the pool."""
+        raise NotImplementedError(
+            "Week 3 Day 3, Task 3: roll the paged cache back, returning pages past the end"
         )
 
     def release(self) -> None:

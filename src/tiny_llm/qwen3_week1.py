@@ -9,9 +9,12 @@ from .basics import linear
 from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
 from .positional_encoding import RoPE
+from .quantize import QuantizedWeight, layer_weights
 
 
-def take_weight(weights: dict[str, mx.array], name: str, shape: tuple[int, ...]) -> mx.array:
+def take_weight(
+    weights: dict[str, mx.array | QuantizedWeight], name: str, shape: tuple[int, ...]
+) -> mx.array | QuantizedWeight:
     """Fetch one checkpoint tensor and check its shape, naming it when something is wrong."""
     if name not in weights:
         raise ValueError(f"checkpoint is missing tensor {name!r}")
@@ -80,10 +83,14 @@ class Qwen3TransformerBlock:
         raise NotImplementedError("Week 1 Day 5, Task 2: implement the transformer block")
 
 
-def checked_weights(ckpt: Checkpoint) -> dict[str, mx.array]:
-    """Every tensor the config calls for, each checked for its shape."""
+def checked_weights(
+    ckpt: Checkpoint, quantized_linear: str | None = None
+) -> dict[str, mx.array | QuantizedWeight]:
+    """Every tensor the config calls for, each checked for its shape. A quantized layer (Week 4
+    Day 1) comes as one QuantizedWeight, or dequantized, as `quantized_linear` says."""
+    weights = layer_weights(ckpt, quantized_linear)
     shapes = expected_shapes(ckpt.config)
-    return {name: take_weight(ckpt.weights, name, shape) for name, shape in shapes.items()}
+    return {name: take_weight(weights, name, shape) for name, shape in shapes.items()}
 
 
 def build_block(
@@ -129,14 +136,23 @@ def build_block(
 
 
 class Qwen3ModelWeek1:
-    """tokens [B, L] -> logits [B, L, vocab], recomputing the whole sequence each call."""
+    """tokens [B, L] -> logits [B, L, vocab], recomputing the whole sequence each call.
+
+    quantized_linear (Week 4 Day 1): how a quantized checkpoint's layers multiply, one of
+    QUANTIZED_LINEAR_PATHS; None picks the faster one on the default device.
+    """
 
     attention_cls = Qwen3MultiHeadAttention
     block_cls = Qwen3TransformerBlock
 
-    def __init__(self, ckpt: Checkpoint, max_seq_len: int | None = None):
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        max_seq_len: int | None = None,
+        quantized_linear: str | None = None,
+    ):
         c = ckpt.config
-        w = checked_weights(ckpt)
+        w = checked_weights(ckpt, quantized_linear)
         self.config = c
         self.num_hidden_layers = c.num_hidden_layers
         self.max_seq_len = max_seq_len or c.max_position_embeddings

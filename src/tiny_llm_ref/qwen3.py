@@ -1,16 +1,22 @@
 """Week 2 Day 1: the Qwen3 model with a KV cache and a position offset.
 
-Week 3 uses the same model: offsets may be one int per row (continuous batching), and a
-prompt may arrive in chunks (chunked prefill), so a call with L > 1 may find tokens cached.
+Week 3 uses the same model: offsets may be one int per row (continuous batching), a prompt
+may arrive in chunks (chunked prefill), so a call with L > 1 may find tokens cached, and the
+blocks' token-parallel halves may run compiled (shape-stable prefill).
 """
 
 import mlx.core as mx
+
+from tiny_llm_support import Checkpoint, check_quant_format
 
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
+from .quantize import QuantizedWeight
+from .quantized_kv_cache import TinyKvQuantizedCache
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
+from .shape_stable import CompiledBlock
 
 
 def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
@@ -36,16 +42,22 @@ class Qwen3AttentionWithCache(Qwen3MultiHeadAttention):
         queries over the cache, built once per forward pass; None builds it here, and a cache
         that returns its own mask overrides both."""
         # BEGIN TASK Week 2 Day 1, Task 2: attention with a KV cache and an offset
-        b, l, _ = x.shape  # x [B, L, E]
         q, k, v = self.qkv(x, offset)  # [B, H, L, D], positions start at offset
         out = self.attend(q, k, v, cache, mask)  # [B, H, L, D]
-        return linear(out.swapaxes(1, 2).reshape(b, l, -1), self.wo)  # [B, L, E]
+        return self.project(out)  # [B, L, E]
         # END TASK
+
+    def project(self, out: mx.array) -> mx.array:
+        """The heads' outputs [B, H, L, D] side by side, through o_proj -> [B, L, E]."""
+        b, _, l, _ = out.shape
+        return linear(out.swapaxes(1, 2).reshape(b, l, -1), self.wo)
 
     def attend(
         self, q: mx.array, k: mx.array, v: mx.array, cache: TinyKvCache, mask: mx.array | str | None
     ) -> mx.array:
         """Append k/v [B, H_kv, L, D] to the cache and attend q [B, H, L, D] over all of it."""
+        if cache.reads_in_place:  # Week 3 Day 5: pages read where they lie, no dense copy
+            return cache.attend(q, k, v)  # [B, H, L, D]
         # BEGIN TASK Week 2 Day 1, Task 2: append to the cache, then attend over everything in it
         keys, values, cache_mask = cache.update_and_fetch(k, v)  # [B, H_kv, S, D]
         if cache_mask is not None:
@@ -70,26 +82,96 @@ class Qwen3BlockWithCache(Qwen3TransformerBlock):
         return self.self_attn.qkv(self.input_layernorm(x), offset)  # q, k, v [B, H(_kv), L, D]
 
     def after_attention(self, x: mx.array, attention: mx.array) -> mx.array:
-        b, _, l, _ = attention.shape  # attention [B, H, L, D]
-        h = x + linear(attention.swapaxes(1, 2).reshape(b, l, -1), self.self_attn.wo)
+        h = x + self.self_attn.project(attention)  # attention [B, H, L, D] -> [B, L, E]
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, L, E]
 
 
 class Qwen3Model(Qwen3ModelWeek1):
-    """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab]."""
+    """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab].
+
+    compiled=True (Week 3 Day 3) runs every block's token-parallel halves through a
+    CompileCache of compile_capacity variants per half. quantized_linear (Week 4 Day 1) as for
+    Qwen3ModelWeek1; kv_bits=8 makes create_kv_cache hand out quantized caches (INT8, groups
+    of kv_group_size along the head dimension).
+    """
 
     attention_cls = Qwen3AttentionWithCache
     block_cls = Qwen3BlockWithCache
 
-    def create_kv_cache(self) -> list[TinyKvFullCache]:
+    def __init__(
+        self,
+        ckpt: Checkpoint,
+        max_seq_len: int | None = None,
+        compiled: bool = False,
+        compile_capacity: int = 4,
+        quantized_linear: str | None = None,
+        kv_bits: int | None = None,
+        kv_group_size: int = 64,
+    ):
+        if kv_bits is not None:
+            check_quant_format(kv_group_size, kv_bits, "Qwen3Model kv cache")
+            if ckpt.config.head_dim % kv_group_size != 0:
+                raise ValueError(
+                    f"head_dim {ckpt.config.head_dim} is not a multiple of kv_group_size "
+                    f"{kv_group_size}"
+                )
+        super().__init__(ckpt, max_seq_len, quantized_linear)
+        self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
+        self.compiled, self.compile_capacity = compiled, compile_capacity
+        self.group: mx.distributed.Group | None = None  # set by shard()
+        if compiled:
+            self.layers = [CompiledBlock(layer, compile_capacity) for layer in self.layers]
+
+    def shard(self, group: mx.distributed.Group) -> None:
+        """Tensor parallelism (Week 4 Day 2): keep only this rank's share of every block.
+
+        Every rank of `group` calls this on the same model and then runs the same inputs;
+        the embeddings, the norms and the output head stay whole on every rank.
+        """
+        from .tensor_parallel import shard_blocks  # that module builds on this one's classes
+
+        if self.group is not None:
+            raise ValueError(f"the model is already sharded over {self.group.size()} ranks")
+        blocks = [getattr(layer, "block", layer) for layer in self.layers]  # unwrap compiled
+        held = [(b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo) for b in blocks]
+        held += [(b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down) for b in blocks]
+        if any(isinstance(w, QuantizedWeight) for ws in held for w in ws):
+            raise ValueError(
+                "tensor parallelism splits float weights: to shard a quantized checkpoint, "
+                "build the model with quantized_linear='dequantize-at-load'"
+            )
+        blocks = shard_blocks(self.config, blocks, group)
+        if self.compiled:
+            blocks = [CompiledBlock(block, self.compile_capacity) for block in blocks]
+        self.layers, self.group = blocks, group
+
+    def compile_stats(self) -> dict[str, int]:
+        """compiles, hits, evictions and traces summed over every compiled half of every block."""
+        caches = [c for layer in self.layers for c in getattr(layer, "compile_caches", [])]
+        names = ("compiles", "hits", "evictions", "traces")
+        return {name: sum(getattr(c, name) for c in caches) for name in names}
+
+    def create_kv_cache(self) -> list[TinyKvCache]:
+        if self.kv_bits is not None:
+            return [
+                TinyKvQuantizedCache(self.kv_group_size, self.kv_bits)
+                for _ in range(self.num_hidden_layers)
+            ]
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
 
     def create_kv_pools(
-        self, page_size: int = 16, max_pages: int | None = None
+        self, page_size: int = 16, max_pages: int | None = None, read_in_place: bool = False
     ) -> list[TinyKvPagedPool]:
-        c = self.config
+        """One pool per layer, for this rank's KV heads once sharded (Week 4 Day 2);
+        read_in_place: attention reads the pages where they lie (Week 3 Day 5) instead of
+        gathering them."""
+        if self.kv_bits is not None:
+            raise ValueError("the paged pools store float keys and values: use kv_bits=None")
+        h_kv = self.layers[0].self_attn.num_kv_heads
         return [
-            TinyKvPagedPool(c.num_key_value_heads, c.head_dim, page_size, max_pages, self.dtype)
+            TinyKvPagedPool(
+                h_kv, self.config.head_dim, page_size, max_pages, self.dtype, read_in_place
+            )
             for _ in range(self.num_hidden_layers)
         ]
 

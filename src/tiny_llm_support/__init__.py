@@ -1,8 +1,14 @@
 """What the course does not ask students to write: loading checkpoints and tokenizers,
 synthetic tiny checkpoints, model names, and device / BLAS set-up."""
 
-from .checkpoint import Checkpoint, expected_shapes, load_checkpoint
-from .config import Qwen3Config
+from .checkpoint import (
+    Checkpoint,
+    expected_shapes,
+    load_checkpoint,
+    quantize_checkpoint,
+    quantize_weights,
+)
+from .config import QUANT_BITS, QUANT_GROUP_SIZES, Quantization, Qwen3Config, check_quant_format
 from .device import (
     OPENBLAS_HINT,
     blas_info,
@@ -19,9 +25,15 @@ from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "Qwen3Config",
+    "Quantization",
+    "QUANT_BITS",
+    "QUANT_GROUP_SIZES",
+    "check_quant_format",
     "Checkpoint",
     "load_checkpoint",
     "expected_shapes",
+    "quantize_checkpoint",
+    "quantize_weights",
     "make_tiny_checkpoint",
     "Tokenizer",
     "load_tokenizer",

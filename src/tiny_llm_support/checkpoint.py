@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
-from .config import Qwen3Config
+from .config import Quantization, Qwen3Config, check_quant_format
 from .tokenizer import Tokenizer, load_tokenizer
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
+TENSOR_PARTS = ("weight", "scales", "biases")  # a layer's tensors; the last two when quantized
 
 
 @dataclass
@@ -55,6 +58,33 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def quantize_weights(
+    weights: dict[str, mx.array], group_size: int = 64, bits: int = 4
+) -> dict[str, mx.array]:
+    """The weights in MLX's affine format, as mlx-lm's convert writes them: each 2-D weight
+    whose input size group_size divides becomes codes, scales and biases (mx.quantize); norms
+    and the other weights stay float. A tensor held under two names (a tied head) is
+    quantized once."""
+    check_quant_format(group_size, bits, "quantize_weights")
+    out, done = {}, {}
+    for name, w in weights.items():
+        if w.ndim != 2 or w.shape[1] % group_size != 0:
+            out[name] = w
+            continue
+        if id(w) not in done:
+            done[id(w)] = mx.quantize(w, group_size=group_size, bits=bits)
+        layer = name.removesuffix(".weight")
+        out.update(zip([f"{layer}.{part}" for part in TENSOR_PARTS], done[id(w)]))
+    return out
+
+
+def quantize_checkpoint(ckpt: Checkpoint, bits: int = 4, group_size: int = 64) -> Checkpoint:
+    """A float checkpoint quantized in memory (quantize_weights), its config saying so."""
+    config = dataclasses.replace(ckpt.config, quantization=Quantization(group_size, bits))
+    weights = quantize_weights(ckpt.weights, group_size, bits)
+    return Checkpoint(ckpt.path, config, weights, ckpt.tokenizer)
+
+
 def to_mx_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
     """Accept an mx dtype or one of "float32", "bfloat16", "float16"."""
     if isinstance(dtype, mx.Dtype):
@@ -72,10 +102,13 @@ def load_checkpoint(path: str | Path, dtype: mx.Dtype | str | None = None) -> Ch
     config = Qwen3Config.from_file(path / "config.json")
     target = to_mx_dtype(dtype) if dtype is not None else None
     weights: dict[str, mx.array] = {}
+    files: dict[str, Path] = {}  # tensor name -> the file it came from, for error messages
     for file in safetensors_files(path):
-        weights.update(mx.load(str(file)))
+        loaded = mx.load(str(file))
+        weights.update(loaded)
+        files.update(dict.fromkeys(loaded, file))
     _tie_lm_head(weights, config, path)
-    check_weights(weights, config, path)
+    check_weights(weights, config, path, files)
     if target is not None:
         weights = _convert(weights, target)
     tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
@@ -107,14 +140,75 @@ def safetensors_files(path: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weight files in {path}")
 
 
-def check_weights(weights: dict[str, mx.array], config: Qwen3Config, path: Path) -> None:
-    """Every expected tensor must be present with the expected shape; extras are ignored."""
+def check_weights(
+    weights: dict[str, mx.array],
+    config: Qwen3Config,
+    path: Path,
+    files: dict[str, Path] | None = None,
+) -> None:
+    """Every expected tensor must be present with the expected shape; extras are ignored.
+    A quantized layer (its `.scales` present) is checked in its packed layout instead."""
+    where = lambda name: (files or {}).get(name, path)
     for name, shape in expected_shapes(config).items():
         if name not in weights:
             raise ValueError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
+        layer = name.removesuffix(".weight")
+        if len(shape) == 2 and (f"{layer}.scales" in weights or weights[name].dtype == mx.uint32):
+            check_quantized(weights, config, layer, shape, where)
+            continue
         got = tuple(weights[name].shape)
         if got != shape:
-            raise ValueError(f"{path}: tensor {name} has shape {list(got)}, expected {list(shape)}")
+            raise ValueError(
+                f"{where(name)}: tensor {name} has shape {list(got)}, expected {list(shape)}"
+            )
+
+
+def check_quantized(
+    weights: dict[str, mx.array],
+    config: Qwen3Config,
+    layer: str,
+    shape: tuple[int, ...],
+    where: Callable[[str], Path],
+) -> None:
+    """A layer in MLX's affine format: weight holds the codes [O, I * bits / 32] as uint32,
+    scales and biases [O, I / group_size], with group_size and bits from config.json."""
+    fmt = config.quantization.of(layer) if config.quantization is not None else None
+    if fmt is None:
+        raise ValueError(
+            f"{where(layer + '.weight')}: tensor {layer}.weight is quantized (uint32 codes or "
+            f"a {layer}.scales tensor), but config.json's quantization entry does not cover it"
+        )
+    group_size, bits = fmt
+    rows, cols = shape
+    if cols % group_size != 0:
+        raise ValueError(
+            f"{where(layer + '.weight')}: {layer} has {cols} inputs, not a multiple of "
+            f"group_size {group_size}"
+        )
+    packed = {
+        "weight": (rows, cols * bits // 32),
+        "scales": (rows, cols // group_size),
+        "biases": (rows, cols // group_size),
+    }
+    for part, want in packed.items():
+        name = f"{layer}.{part}"
+        if name not in weights:
+            raise ValueError(
+                f"{where(layer + '.weight')}: tensor {name} is missing (a quantized layer has "
+                "weight, scales and biases)"
+            )
+        got = tuple(weights[name].shape)
+        if got != want:
+            raise ValueError(
+                f"{where(name)}: tensor {name} has shape {list(got)}, expected {list(want)} "
+                f"({bits}-bit codes of a {list(shape)} weight, {32 // bits} to a uint32, one "
+                f"scale and bias per group of {group_size})"
+            )
+    if weights[f"{layer}.weight"].dtype != mx.uint32:
+        raise ValueError(
+            f"{where(layer + '.weight')}: tensor {layer}.weight is {weights[layer + '.weight'].dtype}; "
+            "the codes of a quantized layer are uint32"
+        )
 
 
 def _tie_lm_head(weights: dict[str, mx.array], config: Qwen3Config, path: Path) -> None:
@@ -124,15 +218,19 @@ def _tie_lm_head(weights: dict[str, mx.array], config: Qwen3Config, path: Path) 
         raise ValueError(
             f"{path}: tensor lm_head.weight is missing and tie_word_embeddings is false"
         )
-    if "model.embed_tokens.weight" in weights:
-        weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
+    for part in TENSOR_PARTS:  # a quantized embedding ties its scales and biases too
+        if f"model.embed_tokens.{part}" in weights:
+            weights[f"lm_head.{part}"] = weights[f"model.embed_tokens.{part}"]
 
 
 def _convert(weights: dict[str, mx.array], dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Cast every floating-point weight; a tied lm_head stays the same array as the embedding."""
+    """Cast every floating-point weight (quantized codes stay uint32); a tied lm_head stays
+    the same array as the embedding."""
     converted = {}
     for name, w in weights.items():
         converted[name] = w.astype(dtype) if mx.issubdtype(w.dtype, mx.floating) else w
-    if weights.get("lm_head.weight") is weights.get("model.embed_tokens.weight"):
-        converted["lm_head.weight"] = converted["model.embed_tokens.weight"]
+    for part in TENSOR_PARTS:
+        embed = weights.get(f"model.embed_tokens.{part}")
+        if embed is not None and weights.get(f"lm_head.{part}") is embed:
+            converted[f"lm_head.{part}"] = converted[f"model.embed_tokens.{part}"]
     return converted

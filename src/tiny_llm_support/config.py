@@ -17,6 +17,37 @@ _REQUIRED = (
     "max_position_embeddings",
 )
 
+# MLX's affine format as tiny-llm reads it: codes of these widths pack evenly into a uint32,
+# and these are the group sizes mx.quantize accepts.
+QUANT_BITS = (2, 4, 8)
+QUANT_GROUP_SIZES = (32, 64, 128)
+
+
+def check_quant_format(group_size: int, bits: int, source: str | Path) -> None:
+    """A clear error for a group size or bit width outside MLX's affine format."""
+    if group_size not in QUANT_GROUP_SIZES:
+        raise ValueError(
+            f"{source}: group_size must be one of {QUANT_GROUP_SIZES}, got {group_size}"
+        )
+    if bits not in QUANT_BITS:
+        raise ValueError(f"{source}: bits must be one of {QUANT_BITS}, got {bits}")
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """config.json's `quantization` entry, as mlx-lm's convert writes it: one group size and
+    bit width for the whole model, and optionally per layer ("model.layers.0.mlp.down_proj")
+    its own, or False for a layer left in float. Which layers are quantized is decided by
+    the tensors: a layer is quantized when the checkpoint has its `.scales`."""
+
+    group_size: int
+    bits: int
+    layers: tuple[tuple[str, tuple[int, int] | None], ...] = ()
+
+    def of(self, layer: str) -> tuple[int, int] | None:
+        """(group_size, bits) of a layer, or None where the config leaves it in float."""
+        return dict(self.layers).get(layer, (self.group_size, self.bits))
+
 
 @dataclass(frozen=True)
 class Qwen3Config:
@@ -34,6 +65,7 @@ class Qwen3Config:
     max_position_embeddings: int
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
+    quantization: Quantization | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -61,6 +93,7 @@ class Qwen3Config:
             max_position_embeddings=int(d["max_position_embeddings"]),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            quantization=_quantization(d, source),
             raw=dict(d),
         )
         config._check(source)
@@ -108,3 +141,38 @@ def _rope_theta(d: dict[str, Any], source: str | Path) -> float:
     raise ValueError(
         f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)"
     )
+
+
+def _quantization(d: dict[str, Any], source: str | Path) -> Quantization | None:
+    """MLX's affine format (a `quantization` entry); other quantized formats are refused."""
+    entry = d.get("quantization")
+    if entry is None:
+        other = d.get("quantization_config")
+        if other:
+            method = other.get("quant_method") if isinstance(other, dict) else None
+            raise ValueError(
+                f"{source}: quantization_config (quant_method {method!r}) is not supported; "
+                "tiny-llm reads MLX's affine format, the `quantization` entry mlx-lm's "
+                "convert writes"
+            )
+        return None
+    group_size, bits = _quant_format(entry, source, "quantization")
+    layers = []
+    for key, value in sorted(entry.items()):
+        if isinstance(value, dict):
+            layers.append((key, _quant_format(value, source, f"quantization.{key}")))
+        elif value is False:
+            layers.append((key, None))
+    return Quantization(group_size, bits, tuple(layers))
+
+
+def _quant_format(entry: dict[str, Any], source: str | Path, where: str) -> tuple[int, int]:
+    mode = entry.get("mode", "affine")
+    if mode != "affine":
+        raise ValueError(f"{source}: {where} has mode {mode!r}; only 'affine' is supported")
+    for key in ("group_size", "bits"):
+        if key not in entry:
+            raise ValueError(f"{source}: {where} has no {key!r}")
+    group_size, bits = int(entry["group_size"]), int(entry["bits"])
+    check_quant_format(group_size, bits, f"{source}: {where}")
+    return group_size, bits

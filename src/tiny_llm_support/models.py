@@ -13,6 +13,8 @@ from .tiny import make_tiny_checkpoint
 
 SHORTCUTS: dict[str, str] = {
     "qwen3-0.6b": "Qwen/Qwen3-0.6B",
+    "qwen3-0.6b-4bit": "mlx-community/Qwen3-0.6B-4bit",  # MLX's affine format (Week 4 Day 1)
+    "qwen3-0.6b-8bit": "mlx-community/Qwen3-0.6B-8bit",
     "qwen3-1.7b": "Qwen/Qwen3-1.7B",
     "qwen3-4b": "Qwen/Qwen3-4B",
     "qwen3-8b": "Qwen/Qwen3-8B",

@@ -7,7 +7,8 @@ from .checkpoint import Checkpoint, expected_shapes
 
 
 def mlx_lm_qwen3(ckpt: Checkpoint):
-    """`mlx_lm.models.qwen3.Model` sharing the checkpoint's weight arrays (no copy)."""
+    """`mlx_lm.models.qwen3.Model` sharing the checkpoint's weight arrays (no copy); a
+    quantized checkpoint gives mlx-lm's quantized layers."""
     from mlx_lm.models import qwen3
 
     c = ckpt.config
@@ -26,8 +27,32 @@ def mlx_lm_qwen3(ckpt: Checkpoint):
         tie_word_embeddings=c.tie_word_embeddings,
     )
     model = qwen3.Model(args)
+    names = list(expected_shapes(c))
+    if c.quantization is not None:
+        names += _quantize(model, ckpt)
     # only the tensors the config calls for (a checkpoint cut to fewer layers has spares);
-    # sanitize drops lm_head.weight when the embeddings are tied
-    weights = model.sanitize({name: ckpt.weights[name] for name in expected_shapes(c)})
-    model.load_weights(list(weights.items()), strict=True)
+    # with tied embeddings mlx-lm's model has no lm_head of its own
+    tied = lambda name: c.tie_word_embeddings and name.startswith("lm_head.")
+    weights = [(name, ckpt.weights[name]) for name in names if not tied(name)]
+    model.load_weights(weights, strict=True)
     return model
+
+
+def _quantize(model, ckpt: Checkpoint) -> list[str]:
+    """Make the layers the checkpoint holds quantized into mlx-lm's quantized layers, as
+    mlx-lm's loader does; returns the names of their scales and biases."""
+    import mlx.nn as nn
+
+    def predicate(path: str, module) -> bool | dict:
+        if f"{path}.scales" not in ckpt.weights:
+            return False
+        group_size, bits = ckpt.config.quantization.of(path)
+        return {"group_size": group_size, "bits": bits}
+
+    nn.quantize(model, class_predicate=predicate)
+    return [
+        f"{name.removesuffix('.weight')}.{part}"
+        for name in expected_shapes(ckpt.config)
+        for part in ("scales", "biases")
+        if f"{name.removesuffix('.weight')}.{part}" in ckpt.weights
+    ]

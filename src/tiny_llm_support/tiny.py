@@ -11,8 +11,8 @@ import mlx.core as mx
 import numpy as np
 import tokenizers
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes
-from .config import Qwen3Config
+from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, quantize_weights
+from .config import Qwen3Config, check_quant_format
 from .tiny_tokenizer import tiny_tokenizer_config, tiny_tokenizer_json
 
 TINY_DEFAULTS: dict[str, Any] = {
@@ -33,16 +33,27 @@ TINY_DEFAULTS: dict[str, Any] = {
 def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Write a deterministic random Qwen3 checkpoint (config, weights, tokenizer) into `path`.
 
-    Overrides replace config.json keys. Two are special: `shards=N` splits the weights into
-    N files with an index, and `rope_in_parameters=True` puts rope_theta in rope_parameters.
+    Overrides replace config.json keys. Some are special: `shards=N` splits the weights into
+    N files with an index, `rope_in_parameters=True` puts rope_theta in rope_parameters, and
+    `quantize=4` (or 2, 8) writes the same weights in MLX's affine format with groups of
+    `group_size` (default 64), the layout mlx-lm's convert writes: every linear layer and the
+    embedding whose input size the group size divides, the others left in float.
     """
     shards = int(overrides.pop("shards", 1))
     rope_in_parameters = bool(overrides.pop("rope_in_parameters", False))
+    bits = overrides.pop("quantize", None)
+    group_size = int(overrides.pop("group_size", 64))
     tokenizer_json = tiny_tokenizer_json()
     config = tiny_config(tokenizer_json, overrides)
     if rope_in_parameters:
         config["rope_parameters"] = {"rope_theta": config.pop("rope_theta"), "rope_type": "default"}
+    if bits is not None:
+        check_quant_format(group_size, int(bits), "make_tiny_checkpoint")
+        fmt = {"group_size": group_size, "bits": int(bits), "mode": "affine"}
+        config["quantization"] = config["quantization_config"] = fmt
     weights = _random_weights(Qwen3Config.from_dict(config, source="make_tiny_checkpoint"), seed)
+    if bits is not None:
+        weights = quantize_weights(weights, group_size, int(bits))
     if not 1 <= shards <= len(weights):
         raise ValueError(f"shards must be between 1 and {len(weights)}, got {shards}")
     return write_checkpoint(path, config, weights, tokenizer_json, shards)
@@ -60,7 +71,7 @@ def write_checkpoint(
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
     _write_json(path / "config.json", config)
-    _write_weights(path, weights, shards)
+    _write_weights(path, weights, shards, "pt" if bits is None else "mlx")
     (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     _write_json(path / "tokenizer_config.json", tiny_tokenizer_config())
     return path
@@ -125,8 +136,8 @@ def _offset(name: str) -> np.float32:
     return np.float32(1.0 if name.endswith("norm.weight") else 0.0)
 
 
-def _write_weights(path: Path, weights: dict[str, mx.array], shards: int) -> None:
-    metadata = {"format": "pt"}
+def _write_weights(path: Path, weights: dict[str, mx.array], shards: int, fmt: str) -> None:
+    metadata = {"format": fmt}
     if shards == 1:
         mx.save_safetensors(str(path / SINGLE_FILE), weights, metadata=metadata)
         return

@@ -1,0 +1,83 @@
+"""Week 3 Day 4: stall-free batching (the "hybrid" policy of batch_generate).
+
+Every iteration is one forward pass over a ragged batch: one row for every request that is
+decoding, then as many prompt tokens as the token budget leaves. The rows of all requests sit
+side by side in tokens [1, T]; the linear layers, norms and the MLP run over all T rows at
+once, reading each weight once per pass, and attention runs per segment against that
+request's own cache.
+"""
+
+import math
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .basics import linear
+from .memory_planning import free_pages, make_room, pages_for
+from .qwen3 import attention_mask
+from .shape_stable import Ladder
+
+
+@dataclass
+class Segment:
+    """`length` consecutive rows of a ragged batch, starting at row `start`, that belong to
+    the request whose per-layer caches are `cache` (they continue at its cache offset)."""
+
+    cache: list
+    start: int
+    length: int
+
+
+def forward_ragged(model, tokens: mx.array, segments: list[Segment]) -> mx.array:
+    """tokens [1, T]: the segments' rows side by side, then any padding rows.
+
+    Returns the logits [1, len(segments), V] of each segment's last row. Padding rows (after
+    the last segment) take part in the token-parallel halves only: they attend to nothing,
+    are written to no cache, and their logits are never computed.
+    """
+    raise NotImplementedError(
+        "Week 3 Day 4, Task 1: one forward pass over the rows of several requests"
+    )
+
+
+def plan_pass(scheduler, budget: int) -> tuple[list, list]:
+    """The requests that decode in this pass, and (request, tokens) chunks that fill what the
+    budget leaves: first the prompt already being prefilled, then, while rows and free slots
+    remain, newly admitted prompts, each taking its slot as it is admitted. With a bounded
+    pool the decode rows get their pages first (preempting the newest requests if need be);
+    a chunk takes only pages that are free."""
+    slots = scheduler.slots
+    decoding = lambda: [r for r in slots if r is not None and r.is_prefill_done]
+    make_room(scheduler, lambda: sum(pages_for(r, 1) for r in decoding()))
+    room, chunks = budget - len(decoding()), []
+    prefilling = [r for r in slots if r is not None and not r.is_prefill_done]
+    while room > 0:
+        if prefilling:
+            request = prefilling.pop(0)
+        elif None in slots and (request := scheduler.admit()) is not None:
+            slots[slots.index(None)] = request
+        else:
+            break
+        ids = request.prefill_tokens[request.offset : request.offset + room]
+        ids = ids[: min(len(ids), tokens_that_fit(request, scheduler.pools))]
+        if ids:
+            chunks.append((request, ids))
+            room -= len(ids)
+    return decoding(), chunks
+
+
+def tokens_that_fit(request, pools) -> float:
+    """How many more tokens the request's cache can take without a page that is not free."""
+    free = free_pages(pools)
+    if free == math.inf:
+        return math.inf
+    cache = request.kv_cache[0]
+    return (len(cache.page_table) + int(free)) * cache.pool.page_size - cache.offset
+
+
+def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
+    """One iteration of the hybrid policy: one forward pass holding a row for every decoding
+    request and prompt chunks up to `budget` rows in all. With a ladder (a compiled model) a
+    pass holding a chunk is padded up to a ladder width of the budget, and a pass of decode
+    rows alone up to the batch size, so a run compiles at most steps + 1 shapes."""
+    raise NotImplementedError("Week 3 Day 4, Task 2: decode rows and prompt chunks in one pass")

@@ -1,0 +1,79 @@
+"""Week 3 Day 6: memory planning for a bounded page pool.
+
+A server's KV pool is always bounded, so running out of pages is the normal case under load.
+The scheduler plans with pages instead of failing:
+
+- admission: a waiting prompt starts only when the pool can hold it, plus a little headroom
+  for the tokens it will generate next;
+- preemption by recompute: when a pass needs pages that are not free, the most recently
+  admitted running request gives all of its pages back and waits at the front of the queue;
+  later its prompt and the tokens it had generated are prefilled again and decoding goes on;
+- refusal: a request that could not fit even in an empty pool is refused up front, and the
+  other requests run.
+
+Every layer has its own pool of the same size, and every request holds the same number of
+pages in each, so the first layer's pool stands for all of them.
+"""
+
+import math
+
+HEADROOM_PAGES = 1  # admission leaves this many pages free beyond the prompt's own
+
+
+def pages_for(request, tokens: int) -> int:
+    """New pages (per layer) `request` needs to append `tokens` more tokens: 0 for a dense
+    cache, which has no pool."""
+    cache = request.kv_cache[0]
+    if not hasattr(cache, "page_table"):
+        return 0
+    return max(0, -(-(cache.offset + tokens) // cache.pool.page_size) - len(cache.page_table))
+
+
+def free_pages(pools) -> float:
+    """Pages the pools can still hand out (infinite without pools or without a limit)."""
+    if not pools or pools[0].max_pages is None:
+        return math.inf
+    return pools[0].max_pages - pools[0].num_in_use
+
+
+def refusal(longest: int, pools) -> str | None:
+    """Why a request that may hold up to `longest` tokens can never run with these pools, or
+    None if it can: if its pages exceed the whole pool, not even preempting every other
+    request would make room for it."""
+    if not pools or pools[0].max_pages is None:
+        return None  # an unbounded pool fits everyone
+    # BEGIN TASK Week 3 Day 6, Task 3: refuse a request that cannot fit even an empty pool
+    pages = -(-longest // pools[0].page_size)
+    if pages <= pools[0].max_pages:
+        return None
+    return (
+        f"needs {pages} pages of {pools[0].page_size} tokens for up to {longest} tokens, "
+        f"but the pool has {pools[0].max_pages} pages"
+    )
+    # END TASK
+
+
+def can_admit(tokens: int, reserved: int, pools) -> bool:
+    """Whether a prompt of `tokens` tokens may start now: the free pages, less `reserved`
+    pages still owed to a prompt already being prefilled, hold its pages plus the headroom."""
+    if not pools or pools[0].max_pages is None:
+        return True  # an unbounded pool never makes anyone wait
+    # BEGIN TASK Week 3 Day 6, Task 1: admit a prompt only when the pool can hold it
+    pages = -(-tokens // pools[0].page_size)
+    return pages + HEADROOM_PAGES <= free_pages(pools) - reserved
+    # END TASK
+
+
+def make_room(scheduler, need, protect=()) -> bool:
+    """Preempt running requests, most recently admitted first, until the pages that
+    `need()` counts are free; requests in `protect` are never preempted. True if it fits."""
+    if free_pages(scheduler.pools) == math.inf:
+        return True  # an unbounded pool always has room
+    # BEGIN TASK Week 3 Day 6, Task 2: preempt the newest running requests until a pass fits
+    while need() > free_pages(scheduler.pools):
+        victims = [r for r in scheduler.running() if all(r is not p for p in protect)]
+        if not victims:
+            return False
+        scheduler.preempt(max(victims, key=lambda r: r.admitted))
+    return True
+    # END TASK

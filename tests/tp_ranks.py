@@ -1,0 +1,324 @@
+"""The two-rank half of the Week 4 Day 2 tests: run by every rank under mlx.launch.
+
+    mlx.launch -n 2 --backend ring --python PYTHON tests/tp_ranks.py
+        --impl tiny_llm_ref --out DIR --ckpt DIR --ckpt-kv1 DIR --ckpt-odd-mlp DIR
+
+Each rank runs every check in CHECKS, in the same order, and after each one writes what it
+found to DIR/rank<r>.json: {check: null when it passed, else the error text}. A check first
+computes everything it needs (every rank must run the same collective operations, in the
+same order) and only then compares, so a failed comparison on one rank cannot leave the other
+waiting in an all_sum. The oracle everywhere is the same package's unsharded model on the
+same weights, and in check_mlx_lm mlx-lm's own shard().
+"""
+
+import argparse
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from helpers import prompt_with_tokens
+
+from tiny_llm_support import load_checkpoint, mlx_lm_qwen3
+
+ATOL = RTOL = 1e-4
+PROMPT_LENGTHS = (3, 9, 14, 22, 1)  # token counts of the batch_generate prompts
+MAX_SEQ_LEN = 32
+MAX_NEW_TOKENS = 6
+
+
+def close(actual, expected, what: str) -> None:
+    actual, expected = np.array(actual), np.array(expected)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    np.testing.assert_allclose(actual, expected, atol=ATOL, rtol=RTOL, err_msg=what)
+
+
+class Ranks:
+    """What every check gets: the package, the group, the checkpoints, a sharded model, and
+    the unsharded model with the results it gives (computed once, kept for every check)."""
+
+    def __init__(self, args: argparse.Namespace, group):
+        self.impl = importlib.import_module(args.impl)
+        self.group = group
+        self.n, self.rank = group.size(), group.rank()
+        self.ckpt = load_checkpoint(args.ckpt)
+        self.ckpt_kv1 = load_checkpoint(args.ckpt_kv1)
+        self.ckpt_odd_mlp = load_checkpoint(args.ckpt_odd_mlp)
+        self.tokenizer = self.ckpt.tokenizer
+        self.ids = self.tokenizer.encode(prompt_with_tokens(self.tokenizer, 11))
+        self.prompts = [prompt_with_tokens(self.tokenizer, n) for n in PROMPT_LENGTHS]
+        self.full = self.impl.Qwen3Model(self.ckpt)
+        self._sharded = None
+        self._texts = {}
+
+    @property
+    def sharded(self):
+        """One sharded model for the checks that only need fresh caches (built on first use:
+        Task 4 may not be written yet)."""
+        if self._sharded is None:
+            self._sharded = self.model(True)
+        return self._sharded
+
+    def model(self, sharded: bool, **kwargs):
+        model = self.impl.Qwen3Model(self.ckpt, **kwargs)
+        if sharded:
+            model.shard(self.group)
+        return model
+
+    def generate(self, model, policy: str = "alternate", pools=None) -> list:
+        return self.impl.batch_generate(
+            model, self.tokenizer, self.prompts, MAX_SEQ_LEN, batch_size=3, prefill_step=8,
+            pools=pools, max_new_tokens=MAX_NEW_TOKENS, policy=policy,
+        )  # fmt: skip
+
+    def full_text(self, policy: str = "alternate") -> list:
+        """What the unsharded model generates for the prompts (computed once per policy)."""
+        if policy not in self._texts:
+            self._texts[policy] = self.generate(self.full, policy)
+        return self._texts[policy]
+
+    def full_logits(self) -> mx.array:
+        """The unsharded model's logits [1, 11, V] for the prompt ids, in one pass."""
+        return self.full(mx.array([self.ids]), 0, self.full.create_kv_cache())
+
+
+# --- Task 1: the sharded linears -----------------------------------------------------------
+
+
+def check_linears(r: Ranks) -> None:
+    """Column-parallel: each rank's output is its own slice of the full output, in rank order.
+    Row-parallel: each rank, given its slice of the input, gets the whole output."""
+    w = mx.random.normal((12, 8), key=mx.random.key(1))  # [O, I], the same on every rank
+    x = mx.random.normal((3, 8), key=mx.random.key(2))
+    full = np.array(x) @ np.array(w).T  # [3, 12]
+    column = r.impl.ColumnParallelLinear(w, r.group)
+    part = slice(r.rank * 8 // r.n, (r.rank + 1) * 8 // r.n)
+    row = r.impl.RowParallelLinear(w, r.group)
+    column_out, row_out = column(x), row(x[:, part])
+    mx.eval(column_out, row_out)
+    outputs = slice(r.rank * 12 // r.n, (r.rank + 1) * 12 // r.n)
+    assert tuple(column.weight.shape) == (12 // r.n, 8), "column-parallel keeps [O / N, I]"
+    assert tuple(row.weight.shape) == (12, 8 // r.n), "row-parallel keeps [O, I / N]"
+    close(column_out, full[:, outputs], f"column-parallel output of rank {r.rank}")
+    close(row_out, full, "row-parallel output (summed over the ranks)")
+
+
+def check_linear_errors(r: Ranks) -> None:
+    """A dimension that does not divide by the group size is a ValueError."""
+    for make, shape in [(r.impl.ColumnParallelLinear, (5, 8)), (r.impl.RowParallelLinear, (8, 5))]:
+        try:
+            make(mx.zeros(shape), r.group)
+        except ValueError:
+            continue
+        raise AssertionError(f"{make.__name__} of a {shape} weight over {r.n} ranks must raise")
+
+
+# --- Tasks 2-4: the sharded model ----------------------------------------------------------
+
+
+def check_one_shot_logits(r: Ranks) -> None:
+    """A batch of two prompts in one pass, sharded against unsharded."""
+    tokens = mx.array([r.ids, r.ids[::-1]])  # [2, 11]
+    got = r.sharded(tokens, 0, r.sharded.create_kv_cache())
+    want = r.full(tokens, 0, r.full.create_kv_cache())
+    close(got, want, "one-shot logits, sharded vs one process")
+
+
+def check_weights_are_split(r: Ranks) -> None:
+    """Each rank holds H / N query heads, H_kv / N KV heads and I / N MLP features."""
+    c, model = r.ckpt.config, r.sharded
+    d = c.head_dim
+    for i, layer in enumerate(model.layers):
+        a = layer.self_attn
+        assert (a.num_heads, a.num_kv_heads) == (
+            c.num_attention_heads // r.n,
+            c.num_key_value_heads // r.n,
+        ), f"layer {i}: heads per rank"
+        shapes = [tuple(w.shape) for w in (a.wq, a.wk, a.wv, a.o_proj.weight)]
+        want = [
+            (c.num_attention_heads // r.n * d, c.hidden_size),
+            (c.num_key_value_heads // r.n * d, c.hidden_size),
+            (c.num_key_value_heads // r.n * d, c.hidden_size),
+            (c.hidden_size, c.num_attention_heads // r.n * d),
+        ]
+        assert shapes == want, (
+            f"layer {i}: wq, wk, wv, o_proj.weight shapes {shapes}, expected {want}"
+        )
+        m = layer.mlp
+        shapes = [tuple(p.weight.shape) for p in (m.gate_proj, m.up_proj, m.down_proj)]
+        part = c.intermediate_size // r.n
+        want = [(part, c.hidden_size), (part, c.hidden_size), (c.hidden_size, part)]
+        assert shapes == want, f"layer {i}: gate/up/down_proj shapes {shapes}, expected {want}"
+
+
+def check_chunked_prefill(r: Ranks) -> None:
+    """Chunks of 5, 4 and 2 tokens on a sharded cache give the one-pass logits' rows."""
+    cache, got, start = r.sharded.create_kv_cache(), [], 0
+    for size in (5, 4, 2):
+        got.append(r.sharded(mx.array([r.ids[start : start + size]]), start, cache))
+        start += size
+    close(mx.concatenate(got, axis=1), r.full_logits(), "chunked prefill, sharded vs one pass")
+
+
+def check_cached_decode(r: Ranks) -> None:
+    """Prefill, then six greedy decode steps: every step's logits match one process."""
+
+    def decode(model):
+        cache, logits = model.create_kv_cache(), []
+        step = model(mx.array([r.ids]), 0, cache)[:, -1:, :]
+        for i in range(6):
+            logits.append(step)
+            token = mx.argmax(step[0, -1]).item()
+            step = model(mx.array([[token]]), len(r.ids) + i, cache)
+        return mx.concatenate(logits, axis=1), cache
+
+    (got, cache), (want, _) = decode(r.sharded), decode(r.full)
+    close(got, want, "cached decode logits, sharded vs one process")
+    heads = [layer_cache.keys.shape[1] for layer_cache in cache]
+    want_heads = r.ckpt.config.num_key_value_heads // r.n
+    assert heads == [want_heads] * len(cache), (
+        f"each rank's dense cache must hold num_key_value_heads / world_size = {want_heads} "
+        f"KV heads per layer, holds {heads}"
+    )
+
+
+def check_paged_kv_heads(r: Ranks) -> None:
+    """The pools of a sharded model store only this rank's KV heads, and it decodes as one
+    process does."""
+    pools = r.sharded.create_kv_pools(page_size=4)
+    got = r.generate(r.sharded, pools=pools)
+    want_heads = r.ckpt.config.num_key_value_heads // r.n
+    assert [p.num_kv_heads for p in pools] == [want_heads] * len(pools), (
+        f"each pool must hold {want_heads} KV heads (num_key_value_heads / world_size)"
+    )
+    pages = {tuple(page.shape) for p in pools for page in p.key_pages}
+    assert pages == {(want_heads, 4, r.ckpt.config.head_dim)}, f"page shapes {pages}"
+    assert got == r.full_text(), "batch_generate with paged caches: sharded text differs"
+
+
+def check_greedy_text(r: Ranks) -> None:
+    """simple_generate_with_kv_cache writes the same tokens sharded and unsharded."""
+    got = list(r.impl.simple_generate_with_kv_cache(r.sharded, r.ids, 8))
+    want = list(r.impl.simple_generate_with_kv_cache(r.full, r.ids, 8))
+    assert got == want, f"greedy tokens: sharded {got}, one process {want}"
+
+
+def check_batch_generate(r: Ranks) -> None:
+    """Continuous batching with chunked prefill (dense caches), both policies."""
+    for policy in ("alternate", "hybrid"):
+        got = r.generate(r.sharded, policy)
+        assert got == r.full_text(policy), f"batch_generate ({policy}): sharded text differs"
+
+
+def check_compiled(r: Ranks) -> None:
+    """A compiled model (Week 3 Day 3) sharded after it was built: chunked logits and
+    batch_generate (padded chunks, hybrid policy) as one process gives them."""
+    sharded = r.model(True, compiled=True)
+    cache = sharded.create_kv_cache()
+    got = [sharded(mx.array([r.ids[:7]]), 0, cache), sharded(mx.array([r.ids[7:]]), 7, cache)]
+    text = r.generate(sharded, "hybrid")
+    close(mx.concatenate(got, axis=1), r.full_logits(), "compiled sharded model, chunked logits")
+    assert text == r.full_text("hybrid"), "compiled sharded batch_generate differs"
+
+
+def check_ragged(r: Ranks) -> None:
+    """forward_ragged (Week 3 Day 4): a decode row and a prompt chunk in one sharded pass."""
+
+    def ragged(model):
+        old, new = model.create_kv_cache(), model.create_kv_cache()
+        model(mx.array([r.ids[:6]]), 0, old)
+        segments = [r.impl.Segment(old, 0, 1), r.impl.Segment(new, 1, 4)]
+        tokens = mx.array([[r.ids[6], *r.ids[:4]]])  # [1, 5]
+        return r.impl.forward_ragged(model, tokens, segments)
+
+    got, want = ragged(r.sharded), ragged(r.full)
+    close(got, want, "forward_ragged logits, sharded vs one process")
+
+
+def check_mlx_lm(r: Ranks) -> None:
+    """Ours against mlx-lm's Model.shard() over the same group, on the same weights."""
+    tokens = mx.array([r.ids])
+    theirs = mlx_lm_qwen3(r.ckpt)
+    theirs.shard(r.group)
+    ours = r.sharded(tokens, 0, r.sharded.create_kv_cache())
+    close(ours, theirs(tokens), "ours vs mlx-lm's shard()")
+
+
+def check_errors(r: Ranks) -> None:
+    """Heads or MLP features that do not divide by the world size: a ValueError naming them,
+    and the model is unchanged; sharding twice is an error too."""
+    for ckpt, name in [(r.ckpt_kv1, "num_key_value_heads"), (r.ckpt_odd_mlp, "intermediate_size")]:
+        model = r.impl.Qwen3Model(ckpt)
+        layers = list(model.layers)
+        try:
+            model.shard(r.group)
+        except ValueError as e:
+            assert name in str(e), f"the error must name {name}: {e}"
+        else:
+            raise AssertionError(f"{name} of {ckpt.config} over {r.n} ranks must raise")
+        assert all(a is b for a, b in zip(model.layers, layers)), "a failed shard() changed layers"
+    try:
+        r.sharded.shard(r.group)
+    except ValueError:
+        return
+    raise AssertionError("sharding a sharded model again must raise ValueError")
+
+
+CHECKS = [
+    check_linears,
+    check_linear_errors,
+    check_one_shot_logits,
+    check_weights_are_split,
+    check_chunked_prefill,
+    check_cached_decode,
+    check_paged_kv_heads,
+    check_greedy_text,
+    check_batch_generate,
+    check_compiled,
+    check_ragged,
+    check_mlx_lm,
+    check_errors,
+]
+
+
+def error_text(e: Exception) -> str:
+    """The exception's own line first (it names the task of a stub), then where it came from."""
+    last = "".join(traceback.format_exception_only(type(e), e)).strip()
+    return f"{last}\n{traceback.format_exc(limit=-4)}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    for name in ("--impl", "--out", "--ckpt", "--ckpt-kv1", "--ckpt-odd-mlp"):
+        p.add_argument(name, required=True)
+    args = p.parse_args()
+    out = Path(args.out) / f"rank{os.environ.get('MLX_RANK', 'unknown')}.json"
+    found: dict[str, str | None] = {}
+    try:
+        group = mx.distributed.init(strict=True, backend="ring")
+    except RuntimeError as e:  # the ring backend cannot start here
+        out.write_text(json.dumps({"init_error": str(e)}))
+        return 0
+    mx.set_default_device(mx.cpu)
+    try:
+        ranks = Ranks(args, group)
+    except Exception as e:  # no model can be built yet (an earlier stub): every check fails
+        found = {check.__name__: error_text(e) for check in CHECKS}
+        out.write_text(json.dumps({"size": group.size(), "checks": found}))
+        return 0
+    for check in CHECKS:
+        try:
+            check(ranks)
+            found[check.__name__] = None
+        except Exception as e:
+            found[check.__name__] = error_text(e)
+        out.write_text(json.dumps({"size": group.size(), "checks": found}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
