@@ -20,7 +20,7 @@ import tiny_llm_ref as ref
 from tiny_llm_support import load_checkpoint, resolve_model
 from tiny_llm_support.models import TINY_CHAT_DIR, TINY_RANDOM
 from tiny_llm_support.tiny_corpus import CORPUS_FILE, file_sha256, read_corpus
-from tiny_llm_support.train_tiny import LOG_FILE, SUMMARY_FILE, TrainSettings, train
+from tiny_llm_support.train_tiny import LOG_FILE, RESULTS_DIR, SUMMARY_FILE, TrainSettings, train
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_SEQ_LEN = 512  # the demo's default
@@ -65,13 +65,13 @@ def test_shipped_checkpoint_is_what_train_tiny_wrote(ckpt):
     assert all(w.dtype == mx.float32 for w in ckpt.weights.values()), "loaded as float32"
     assert ckpt.config.vocab_size == ckpt.tokenizer.vocab_size
     assert ckpt.tokenizer.chat_template
-    summary = json.loads((TINY_CHAT_DIR / SUMMARY_FILE).read_text())
+    summary = json.loads((RESULTS_DIR / SUMMARY_FILE).read_text())
     assert summary["weights_sha256"] == file_sha256(weights)
     assert summary["corpus"]["sha256"] == file_sha256(CORPUS_FILE), (
         "data/tiny-chat/corpus.jsonl changed since the shipped checkpoint was trained: "
         "run `pdm run train-tiny` and commit the new checkpoint"
     )
-    with open(TINY_CHAT_DIR / LOG_FILE) as f:
+    with open(RESULTS_DIR / LOG_FILE) as f:
         assert sum(1 for _ in csv.DictReader(f)) == summary["steps"]
 
 
@@ -147,8 +147,13 @@ def losses_by_epoch(path: Path) -> list[float]:
     return [float(np.mean(v)) for _, v in sorted(epochs.items())]
 
 
+def shipped_files() -> dict[str, str]:
+    files = [*TINY_CHAT_DIR.iterdir(), RESULTS_DIR / SUMMARY_FILE, RESULTS_DIR / LOG_FILE]
+    return {str(p): file_sha256(p) for p in files if p.is_file()}
+
+
 def test_training_runs_and_is_deterministic(tmp_path):
-    shipped = {p.name: file_sha256(p) for p in TINY_CHAT_DIR.iterdir() if p.is_file()}
+    shipped = shipped_files()
     corpus = small_corpus(tmp_path / "corpus.jsonl")
     first = train(SMALL, tmp_path / "a", corpus, log=lambda line: None)
     second = train(SMALL, tmp_path / "b", corpus, log=lambda line: None)
@@ -159,4 +164,4 @@ def test_training_runs_and_is_deterministic(tmp_path):
     assert first["weights_sha256"] == second["weights_sha256"], "same seed, same weights"
     assert first["corpus"]["sha256"] == file_sha256(corpus)
     assert load_checkpoint(tmp_path / "a").config.hidden_size == SMALL.hidden_size
-    assert {p.name: file_sha256(p) for p in TINY_CHAT_DIR.iterdir() if p.is_file()} == shipped
+    assert shipped_files() == shipped, "the shipped checkpoint and its results are untouched"

@@ -390,8 +390,13 @@ def test_int8_cache_rewinds_and_releases(impl):
 
 
 def generate_alone(impl, model, tokenizer, prompt, n):
-    ids = list(impl.simple_generate_with_kv_cache(model, tokenizer.encode(prompt), n))
-    return tokenizer.decode(ids)
+    """The text of n tokens generated alone, finalized as a request finalizes its text (an
+    unfinished character at the end is dropped)."""
+    detok = tokenizer.detokenizer()
+    for token in impl.simple_generate_with_kv_cache(model, tokenizer.encode(prompt), n):
+        detok.add_token(token)
+    detok.finalize()
+    return detok.text
 
 
 @pytest.mark.parametrize(

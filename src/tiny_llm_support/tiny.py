@@ -56,7 +56,8 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
         weights = quantize_weights(weights, group_size, int(bits))
     if not 1 <= shards <= len(weights):
         raise ValueError(f"shards must be between 1 and {len(weights)}, got {shards}")
-    return write_checkpoint(path, config, weights, tokenizer_json, shards)
+    weights_format = "pt" if bits is None else "mlx"
+    return write_checkpoint(path, config, weights, tokenizer_json, shards, weights_format)
 
 
 def write_checkpoint(
@@ -65,13 +66,15 @@ def write_checkpoint(
     weights: dict[str, mx.array],
     tokenizer_json: str,
     shards: int = 1,
+    weights_format: str = "pt",
 ) -> Path:
-    """Write a checkpoint in Hugging Face layout, with the tiny tokenizer's config and template."""
+    """Write a checkpoint in Hugging Face layout, with the tiny tokenizer's config and template
+    (`weights_format` is the safetensors metadata "format": "mlx" for quantized weights)."""
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     _remove_old_weights(path)
     _write_json(path / "config.json", config)
-    _write_weights(path, weights, shards, "pt" if bits is None else "mlx")
+    _write_weights(path, weights, shards, weights_format)
     (path / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
     _write_json(path / "tokenizer_config.json", tiny_tokenizer_config())
     return path

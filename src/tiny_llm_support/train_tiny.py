@@ -4,8 +4,10 @@ A Qwen3 of a few million parameters (mlx-lm's Qwen3 module as the trainable mode
 the committed corpus (tiny_corpus.py): the book's chapters as plain text and the Q&A pairs in
 the chat template. Its tokenizer is the project's byte-level BPE with merges learned from the
 same corpus. Everything is seeded, so the same corpus, settings and machine give the same
-weights. The output directory gets the checkpoint in Hugging Face layout (16-bit weights), the
-loss of every step (train_log.csv) and a summary (train_summary.json).
+weights. The output directory gets the checkpoint in Hugging Face layout (16-bit weights); the
+results directory (benches/results/ for the shipped checkpoint) the loss of every step
+(train-tiny-log.csv), a summary the book quotes (train-tiny.json) and the loss curve
+(train-tiny-loss.png).
 
 mlx-lm is a development dependency: it is imported only when training runs.
 """
@@ -35,12 +37,14 @@ from .device import blas_info
 from .models import TINY_CHAT_DIR
 from .oracle import mlx_lm_qwen3
 from .tiny import tiny_config, write_checkpoint
-from .tiny_corpus import CORPUS_FILE, build_corpus, file_sha256, read_corpus, write_corpus
+from .tiny_corpus import CORPUS_FILE, ROOT, build_corpus, file_sha256, read_corpus, write_corpus
 from .tiny_tokenizer import byte_bpe_tokenizer_json, tiny_tokenizer_config
 from .tokenizer import Tokenizer
 
-LOG_FILE = "train_log.csv"
-SUMMARY_FILE = "train_summary.json"
+RESULTS_DIR = ROOT / "benches" / "results"  # where the shipped checkpoint's run reports
+LOG_FILE = "train-tiny-log.csv"
+SUMMARY_FILE = "train-tiny.json"
+PLOT_FILE = "train-tiny-loss.png"
 
 
 @dataclass(frozen=True)
@@ -223,9 +227,11 @@ def train(
     s: TrainSettings,
     out: Path,
     corpus: Path = CORPUS_FILE,
+    results: Path | None = None,
     log: Callable[[str], None] = print,
 ) -> dict[str, Any]:
-    """Train from `corpus` and write the checkpoint, train_log.csv and train_summary.json."""
+    """Train from `corpus`, write the checkpoint into `out` and the log and summary into
+    `results` (default: `out`)."""
     t0 = time.perf_counter()
     load_before = os.getloadavg()
     corpus = Path(corpus)
@@ -246,10 +252,10 @@ def train(
     optimizer = optim.AdamW(learning_rate(s, len(plan)), weight_decay=0.0)
     step_fn = nn.value_and_grad(model, weighted_loss)
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    out, results = Path(out), Path(results or out)
+    results.mkdir(parents=True, exist_ok=True)
     losses = []
-    with open(out / LOG_FILE, "w", newline="", encoding="utf-8") as f:
+    with open(results / LOG_FILE, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "epoch", "kind", "loss", "learning_rate", "tokens", "seconds"])
         for step, (epoch, kind, (inputs, targets, weights)) in enumerate(plan, start=1):
@@ -289,7 +295,7 @@ def train(
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "mlx": mx.__version__,
     }
-    (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    (results / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     log(f"final loss {losses[-1]:.4f}; {evaluation['exact']}/{evaluation['pairs']} answers exact")
     return summary
 
@@ -394,6 +400,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--out", type=Path, default=TINY_CHAT_DIR, help="checkpoint directory")
+    p.add_argument(
+        "--results",
+        type=Path,
+        help=f"log, summary and loss curve (default: {RESULTS_DIR} for the shipped checkpoint, "
+        "else --out)",
+    )
     p.add_argument("--corpus", type=Path, default=CORPUS_FILE, help="corpus (JSON lines)")
     p.add_argument(
         "--rebuild-corpus",
@@ -404,22 +416,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--epochs", type=int, default=TrainSettings.epochs)
     p.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: all)")
     p.add_argument("--eval-pairs", type=int, default=-1, help="Q&A pairs to check (-1: all)")
-    p.add_argument("--plot", type=Path, help="draw the loss curve into this PNG afterwards")
-    p.add_argument(
-        "--plot-only", action="store_true", help="only draw --plot from the log in --out"
-    )
+    p.add_argument("--plot-only", action="store_true", help="only redraw the loss curve")
     args = p.parse_args(argv)
     if args.epochs < 1 or args.max_steps < 0:
         p.error("--epochs must be >= 1 and --max-steps >= 0")
-    if args.plot_only and not args.plot:
-        p.error("--plot-only needs --plot PNG")
+    if args.results is None:  # a trial run elsewhere keeps its results beside its checkpoint
+        args.results = RESULTS_DIR if args.out == TINY_CHAT_DIR else args.out
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.plot_only:
-        plot_losses(args.out / LOG_FILE, args.plot)
+        plot_losses(args.results / LOG_FILE, args.results / PLOT_FILE)
         return 0
     if args.rebuild_corpus:
         sha = write_corpus(build_corpus(), args.corpus)
@@ -431,10 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         max_steps=args.max_steps,
         eval_pairs=args.eval_pairs,
     )
-    summary = train(settings, args.out, args.corpus)
+    summary = train(settings, args.out, args.corpus, args.results)
+    plot_losses(args.results / LOG_FILE, args.results / PLOT_FILE)
     print(f"wrote {args.out} in {summary['total_seconds']:.0f} s")
     print(f"weights sha256 {summary['weights_sha256']}")
-    if args.plot:
-        plot_losses(args.out / LOG_FILE, args.plot)
-        print(f"loss curve: {args.plot}")
+    print(f"log, summary and loss curve: {args.results}/{{{LOG_FILE},{SUMMARY_FILE},{PLOT_FILE}}}")
     return 0
