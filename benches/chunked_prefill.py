@@ -2,23 +2,18 @@
 
 One seeded request trace (random prompt token ids, a fixed output budget per request) is
 served with several prefill budgets (`--prefill-steps`, prompt tokens per scheduler
-iteration). Every (budget, repeat) runs in a fresh process, after warm-up runs in that process;
-repeats alternate forward and reverse budget order, so slow drift of a shared machine does not
-favour one budget. The scheduler is the bench's own loop over the course's public API
-(Request, BatchingKvCache, Qwen3Model) with batch_generate's policy:
+iteration). The scheduler is the solution's own `batch_generate` (`--solution ref` or
+`tiny_llm`), given the prompts as token ids, the budgets as `max_new_tokens` and
+`ignore_eos=True` (random weights would stop at random places), so every budget does the same
+work; the bench watches it only through `on_step` (tiny_llm_support.batch_recorder). Every
+(budget, repeat) runs in a fresh process, after warm-up runs in that process; repeats alternate
+forward and reverse budget order, so slow drift of a shared machine does not favour one budget.
 
-    admit a waiting request when a slot is free and no request is being prefilled
-    run one prefill chunk (at most the budget's prompt tokens)
-    run one batched decode step for every request in a slot
-
-A request finishes after exactly its output budget (EOS is ignored: random weights would stop
-at random places), so every budget does the same work.
-
-Measured per run: output tokens/s, requests/s, wall time; the synchronized time of each batched
-decode call; the decode gap, the wall time between two consecutive synchronized decode
-completions while at least one request is decoding (prefill chunks in between count, stretches
-with no decoding request do not); time to first token (every request arrives at time 0);
-prefill chunks. Each budget's row is the median over its runs.
+Measured per run: output tokens/s, requests/s, wall time; the time of each decode step; the
+decode gap, the wall time between two consecutive decode completions while at least one
+request is decoding (prefill chunks in between count, stretches with no decoding request do
+not); time to first token (every request arrives at time 0); prefill chunks. Each budget's row
+is the median over its runs.
 
     pdm run bench-chunked-prefill --model tiny --prefill-steps 16 64 --num-seqs 4
     pdm run bench-chunked-prefill --model qwen3-0.6b --num-layers 4 --prefill-steps 32 128 512
@@ -30,48 +25,51 @@ per-budget medians) and a PNG of p95 decode gap against output throughput.
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
 import json
 import os
-import random
 import re
 import subprocess
 import sys
 import tempfile
 import time
-from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # `common` sits beside this file
-    sys.path.insert(0, str(HERE))
-
-import mlx.core as mx  # noqa: E402
-from common import (  # noqa: E402
+import mlx.core as mx
+from chunked_prefill_report import plot, summary_table
+from common import (
     BenchModel,
     blas_info,
-    canonical_json,
     host_info,
-    int_at_least,
+    log,
     median,
     mlx_info,
     openblas_preload_env,
     resolve_bench_model,
-    summarize,
     write_json,
 )
+from trace_run import Trace, WrongOutput, make_trace, serve, warmup_trace
 
-from tiny_llm_support import choose_device, gpu_available  # noqa: E402
+from tiny_llm_support import choose_device, gpu_available
+from tiny_llm_support.batch_recorder import StepError
+from tiny_llm_support.cli import (
+    DEVICES,
+    DTYPES,
+    SOLUTIONS,
+    add_solution_argument,
+    default_dtype,
+    float_at_least,
+    int_at_least,
+    load_solution,
+    unfinished_message,
+)
 
 SCHEMA = "tiny-llm/bench-chunked-prefill/v1"
-SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
-DTYPES = ("float32", "bfloat16", "float16")
-WARMUP_OUTPUT_BUDGET = 4
+RESULTS = Path(__file__).resolve().parent / "results"
+EXIT_UNFINISHED = 3  # a child reached an exercise that is not written yet (it said which)
 
+# The per-run numbers that are aggregated (median over runs) for each budget.
 # The per-run numbers that are aggregated (median over runs) for each budget.
 SCALAR_METRICS = (
     "output_tokens_per_s",
@@ -89,263 +87,56 @@ SCALAR_METRICS = (
     "decode_steps",
 )
 
-
-# --- the trace ---------------------------------------------------------------------------
-
-
-@dataclass
-class Trace:
-    """Prompts as token ids, and how many tokens each request must generate."""
-
-    prompts: list[list[int]]
-    output_budgets: list[int]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts, "output_budgets": self.output_budgets}
-
-    def sha256(self) -> str:
-        return hashlib.sha256(canonical_json(self.to_dict()).encode("ascii")).hexdigest()
-
-    @property
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_budgets)
+# --- one run: the settings and the child process ------------------------------------------
 
 
-def make_trace(
-    seed: int,
-    num_seqs: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    token_ids: tuple[int, int],
-    excluded_ids: Sequence[int] = (),
-) -> Trace:
-    """A deterministic trace: lengths uniform in the closed ranges, ids uniform over
-    [low, high) minus `excluded_ids`. Python's `random` keeps its stream stable across
-    versions, so a seed names the same trace everywhere."""
-    low, high = token_ids
-    excluded = sorted({i for i in excluded_ids if low <= i < high})
-    choices = high - low - len(excluded)
-    if choices < 1:
-        raise ValueError("no token ids to draw prompts from")
-    rng = random.Random(seed)
-    prompts, budgets = [], []
-    for _ in range(num_seqs):
-        length = rng.randint(*input_len)
-        budgets.append(rng.randint(*output_len))
-        prompts.append([_nth_allowed(rng.randrange(choices), low, excluded) for _ in range(length)])
-    return Trace(prompts, budgets)
-
-
-def _nth_allowed(n: int, low: int, excluded: list[int]) -> int:
-    """The n-th id (from 0) counting up from `low` and skipping the sorted `excluded` ids."""
-    token = low + n
-    for e in excluded:
-        if e <= token:
-            token += 1
-        else:
-            break
-    return token
-
-
-def warmup_trace(args: argparse.Namespace, model: BenchModel) -> Trace:
-    """A short trace for the warm-up runs, from another seed: one longest prompt (so the
-    largest chunks and caches have been allocated once), the rest of a batch at the shortest
-    length, a few output tokens each."""
-    n = min(args.num_seqs, args.batch_size)
-    budget = (min(args.max_output_len, WARMUP_OUTPUT_BUDGET),) * 2
-    seed = args.seed + 1_000_003
-    longest = make_trace(
-        seed, 1, (args.max_input_len,) * 2, budget, model.token_ids, model.excluded_ids
-    )
-    rest = make_trace(
-        seed + 1, n - 1, (args.min_input_len,) * 2, budget, model.token_ids, model.excluded_ids
-    )
-    return Trace(longest.prompts + rest.prompts, longest.output_budgets + rest.output_budgets)
-
-
-class TokenIdTokenizer:
-    """Lets `Request` take a prompt that is already token ids. EOS is never recognised, so a
-    request stops only when the bench says so; nothing is detokenized (no text is needed)."""
-
-    eos_token_ids: frozenset[int] = frozenset()
-
-    def encode(self, prompt: Sequence[int]) -> list[int]:
-        return list(prompt)
-
-    def detokenizer(self) -> _NoText:
-        return _NoText()
-
-
-class _NoText:
-    text = ""
-
-    def add_token(self, token_id: int) -> str:
-        return ""
-
-    def finalize(self) -> str:
-        return ""
-
-
-# --- one run: the scheduler loop -----------------------------------------------------------
-
-
-def run_trace(
-    model: Any,
-    api: Any,
-    trace: Trace,
-    prefill_step: int,
-    batch_size: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, Any]:
-    """Serve `trace` with `api` (tiny_llm_ref or tiny_llm) and return the run's metrics.
-
-    Returns {"metrics": scalar numbers (SCALAR_METRICS and totals), "raw": per-step and
-    per-request times in seconds}.
-    """
-    tokenizer = TokenIdTokenizer()
-    n = len(trace.prompts)
-    pending = deque(range(n))
-    slots: list[Any | None] = [None] * batch_size
-    batch_cache = [api.BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
-    prefilling = None
-    ttft: list[float | None] = [None] * n
-    finished: list[float | None] = [None] * n
-    step_times: list[float] = []  # each batched decode call, synchronized
-    gaps: list[float] = []  # between decode completions while a request is decoding
-    chunk_times: list[float] = []  # each prefill chunk, synchronized
-    decode_tokens = 0  # rows of all decode steps (the first token of a request comes from prefill)
-    last_decode_end: float | None = None  # None while no request is decoding
-
-    def done(request: Any) -> bool:
-        return len(request.generated) >= trace.output_budgets[request.prompt_idx]
-
-    def finish(request: Any, now: float) -> None:
-        request.release()
-        finished[request.prompt_idx] = now - start
-
-    start = clock()
-    try:
-        while pending or prefilling is not None or any(r is not None for r in slots):
-            if prefilling is None and pending and None in slots:
-                idx = pending.popleft()
-                prefilling = api.Request(model, tokenizer, trace.prompts[idx], prefill_step, idx)
-            if prefilling is not None:
-                t = clock()
-                prefilling.try_prefill()  # synchronized: materialize() and the first token
-                now = clock()
-                chunk_times.append(now - t)
-                if prefilling.is_prefill_done:
-                    ttft[prefilling.prompt_idx] = now - start
-                    if done(prefilling):
-                        finish(prefilling, now)
-                    else:
-                        slot = slots.index(None)
-                        slots[slot] = prefilling
-                        for layer_cache, request_cache in zip(batch_cache, prefilling.kv_cache):
-                            layer_cache.add_request(request_cache, slot)
-                    prefilling = None
-            if any(r is not None for r in slots):
-                t = clock()
-                active = [i for i, r in enumerate(slots) if r is not None]
-                tokens = mx.array([[slots[i].generated[-1]] for i in active], dtype=mx.int32)
-                logits = model(tokens, [slots[i].offset for i in active], batch_cache)
-                next_tokens = mx.argmax(logits[:, -1, :], axis=-1).tolist()  # synchronizes
-                now = clock()
-                step_times.append(now - t)
-                decode_tokens += len(active)
-                if last_decode_end is not None:
-                    gaps.append(now - last_decode_end)
-                for i, token in zip(active, next_tokens):
-                    request = slots[i]
-                    request.decode_done(token)
-                    if done(request):
-                        for layer_cache in batch_cache:
-                            layer_cache.remove_request(i)
-                        slots[i] = None
-                        finish(request, now)
-                last_decode_end = now if any(r is not None for r in slots) else None
-        wall = clock() - start
-    finally:
-        for layer_cache in batch_cache:
-            layer_cache.release()
-        if prefilling is not None:
-            prefilling.release()
-
-    steps, gap = summarize(step_times, 1e3), summarize(gaps, 1e3)
-    first = summarize([v for v in ttft if v is not None], 1e3)
-    metrics = {
-        "wall_s": wall,
-        "requests": n,
-        "prompt_tokens": trace.prompt_tokens,
-        "output_tokens": trace.output_tokens,
-        "output_tokens_per_s": trace.output_tokens / wall,
-        "requests_per_s": n / wall,
-        "decode_steps": len(step_times),
-        "decode_tokens": decode_tokens,
-        "decode_step_ms_median": steps["median"],
-        "decode_step_ms_p95": steps["p95"],
-        "decode_step_ms_max": steps["max"],
-        "decode_gaps": len(gaps),
-        "decode_gap_ms_median": gap["median"],
-        "decode_gap_ms_p95": gap["p95"],
-        "decode_gap_ms_max": gap["max"],
-        "ttft_ms_median": first["median"],
-        "ttft_ms_p95": first["p95"],
-        "ttft_ms_max": first["max"],
-        "prefill_chunks": len(chunk_times),
-        "prefill_chunk_ms_median": summarize(chunk_times, 1e3)["median"],
-        "prefill_chunk_ms_max": summarize(chunk_times, 1e3)["max"],
-    }
-    raw = {
-        "decode_step_s": _rounded(step_times),
-        "decode_gap_s": _rounded(gaps),
-        "prefill_chunk_s": _rounded(chunk_times),
-        "ttft_s": _rounded(ttft),
-        "finish_s": _rounded(finished),
-    }
-    return {"metrics": metrics, "raw": raw}
-
-
-def _rounded(values: Sequence[float | None]) -> list[float | None]:
-    return [None if v is None else round(v, 6) for v in values]
-
-
-# --- the child process: one (budget, repeat) ----------------------------------------------
+def batch_options(args: argparse.Namespace, prefill_step: int) -> dict[str, Any]:
+    """The scheduler settings of one run, as batch_generate keywords. A new setting of the
+    solution's scheduler (a policy, compiled passes, a page budget) joins here."""
+    return {"batch_size": args.batch_size, "prefill_step": prefill_step}
 
 
 def child_main(spec_path: str) -> int:
     """Load the model, warm up, serve the trace once, write the run's JSON."""
-    t0 = time.perf_counter()
     spec = json.loads(Path(spec_path).read_text())
     args = argparse.Namespace(**spec["args"])
+    try:
+        result = measure_one(spec, args)
+    except NotImplementedError as e:
+        print(unfinished_message(args.solution, e), file=sys.stderr)
+        return EXIT_UNFINISHED
+    except (StepError, WrongOutput) as e:
+        print(f"error: {SOLUTIONS[args.solution]}.batch_generate: {e}", file=sys.stderr)
+        return 1
+    write_json(spec["output"], result)
+    return 0
+
+
+def measure_one(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    t0 = time.perf_counter()
     device = choose_device(args.device)
-    api = importlib.import_module(SOLUTIONS[args.solution])
-    bench_model = BenchModel.from_dict(spec["model"])
+    api = load_solution(args.solution)
     trace = Trace(**spec["trace"])
     if trace.sha256() != spec["trace_sha256"]:
         raise RuntimeError("the trace handed to this process does not match its SHA-256")
     warm = Trace(**spec["warmup_trace"])
-    ckpt = bench_model.load(args.dtype)
+    ckpt = BenchModel.from_dict(spec["model"]).load(args.dtype)
     mx.eval(list(ckpt.weights.values()))  # mx.load is lazy: read the weights now, not in a run
-    max_len = max(len(p) + b for t in (trace, warm) for p, b in zip(t.prompts, t.output_budgets))
-    model = api.Qwen3Model(ckpt, max_seq_len=max_len)
+    model = api.Qwen3Model(ckpt, max_seq_len=max(trace.max_seq_len, warm.max_seq_len))
     load_s = time.perf_counter() - t0
 
-    budget = spec["prefill_step"]
+    options = batch_options(args, spec["prefill_step"])
     warmup_s = []
     for _ in range(args.warmup):
         t = time.perf_counter()
-        run_trace(model, api, warm, budget, args.batch_size)
+        serve(api, model, warm, options)
         warmup_s.append(time.perf_counter() - t)
     mx.reset_peak_memory()
-    result = run_trace(model, api, trace, budget, args.batch_size)
+    result = serve(api, model, trace, options)
     result.update(
         {
-            "prefill_step": budget,
+            "prefill_step": spec["prefill_step"],
+            "batch_generate": options,
             "repeat": spec["repeat"],
             "order": spec["order"],
             "sequence": spec["sequence"],
@@ -357,21 +148,10 @@ def child_main(spec_path: str) -> int:
             "warmup_s": warmup_s,
         }
     )
-    write_json(spec["output"], result)
-    return 0
+    return result
 
 
 # --- the parent: plan, launch, aggregate, report -------------------------------------------
-
-
-def non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -404,17 +184,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument(
         "--dtype",
-        choices=DTYPES,
+        choices=list(DTYPES),
         default=None,
         help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
     )
-    m.add_argument("--device", choices=("auto", "cpu", "gpu"), default="auto")
-    m.add_argument(
-        "--solution",
-        choices=sorted(SOLUTIONS),
-        default="ref",
-        help="ref: tiny_llm_ref; tiny_llm: your own solution",
-    )
+    m.add_argument("--device", choices=DEVICES, default="auto")
+    add_solution_argument(m)
     m.add_argument(
         "--offline",
         action="store_true",
@@ -455,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes per budget; odd repeats run the budgets in reverse order",
     )
     r.add_argument(
-        "--cooldown-seconds", type=non_negative_float, default=0.0, help="pause between runs"
+        "--cooldown-seconds", type=float_at_least(0), default=0.0, help="pause between runs"
     )
     r.add_argument(
         "--json-output",
@@ -542,7 +317,7 @@ def default_json_path(model: BenchModel) -> Path:
         slug += f"-{model.num_layers}l"
     if model.random_weights and model.source != "tiny":
         slug += "-random"
-    return HERE / "results" / f"chunked-prefill-{slug}.json"
+    return RESULTS / f"chunked-prefill-{slug}.json"
 
 
 def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
@@ -612,6 +387,8 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
                 stdout=subprocess.DEVNULL,
             )
             elapsed = time.perf_counter() - t
+            if proc.returncode == EXIT_UNFINISHED:
+                raise SystemExit(1)  # the run said which exercise is missing
             if proc.returncode != 0:
                 raise SystemExit(
                     f"run {k + 1}/{len(plan)} (prefill step {budget}, repeat {repeat + 1}) "
@@ -679,85 +456,6 @@ def _ms(value: float | None) -> str:
     return "   n/a" if value is None else f"{value:7.1f} ms"
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def summary_table(report: dict[str, Any]) -> str:
-    header = (
-        f"{'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
-        f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
-        f"{'ttft p50':>9} {'chunks':>6}"
-    )
-    lines = [header]
-    for row in report["budgets"]:
-        m = row["median"]
-        lines.append(
-            f"{row['prefill_step']:>7} {row['runs']:>4} {m['output_tokens_per_s']:>8.2f} "
-            f"{m['requests_per_s']:>6.3f} {m['wall_s']:>7.2f} "
-            f"{_num(m['decode_step_ms_median'])} {_num(m['decode_gap_ms_median'])} "
-            f"{_num(m['decode_gap_ms_p95'])} {_num(m['decode_gap_ms_max'])} "
-            f"{_num(m['ttft_ms_median'])} {m['prefill_chunks']:>6.0f}"
-        )
-    return "\n".join(lines) + "\n(times in ms, medians over runs)"
-
-
-def _num(value: float | None) -> str:
-    return f"{'n/a':>9}" if value is None else f"{value:>9.1f}"
-
-
-def plot(report: dict[str, Any], path: Path) -> Path | None:
-    """p95 decode gap against output throughput, one labeled point per budget (median over
-    runs; the bars span the runs' min..max)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
-        return None
-    rows = [r for r in report["budgets"] if r["median"]["decode_gap_ms_p95"] is not None]
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    xs = [r["median"]["output_tokens_per_s"] for r in rows]
-    ys = [r["median"]["decode_gap_ms_p95"] for r in rows]
-    xerr = [
-        [x - r["min"]["output_tokens_per_s"] for x, r in zip(xs, rows)],
-        [r["max"]["output_tokens_per_s"] - x for x, r in zip(xs, rows)],
-    ]
-    yerr = [
-        [y - r["min"]["decode_gap_ms_p95"] for y, r in zip(ys, rows)],
-        [r["max"]["decode_gap_ms_p95"] - y for y, r in zip(ys, rows)],
-    ]
-    ax.plot(xs, ys, color="0.7", linewidth=1, zorder=1)
-    ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o", capsize=3, zorder=2)
-    for x, y, r in zip(xs, ys, rows):
-        ax.annotate(
-            f"prefill {r['prefill_step']}",
-            (x, y),
-            textcoords="offset points",
-            xytext=(6, 6),
-            fontsize=9,
-        )
-    model = report["model"]
-    ax.set_xlabel("output throughput (tokens/s)")
-    ax.set_ylabel("p95 decode gap (ms)")
-    ax.set_ylim(bottom=0)
-    ax.set_title(
-        f"{model['name']} ({model['num_layers']} layers, {report['dtype']}), "
-        f"{report['trace']['num_requests']} requests, batch {report['arguments']['batch_size']}\n"
-        f"{report['host']['machine']}, {report['host']['cpu_count']} CPUs, "
-        f"{', '.join(report['blas']['runs'])}, MLX {report['mlx']['version']}",
-        fontsize=9,
-    )
-    ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -765,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return child_main(args.child_spec)
     model = check_args(parser, args)
     if args.dtype is None:
-        args.dtype = "bfloat16" if _device_name(args.device) == "gpu" else "float32"
+        args.dtype = default_dtype(_device_name(args.device))
     if args.json_output is None:
         args.json_output = default_json_path(model)
     if args.plot_output is None:

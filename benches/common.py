@@ -7,12 +7,11 @@
   benchmark process only loads it; `BenchModel.load(dtype)` builds the `Checkpoint`.
 - The machine: `host_info()`, `mlx_info()`, `blas_info()`, `openblas_preload_env()`.
 - Numbers: `percentile`, `summarize`, `median`.
-- Output: `write_json` (creates the folder, stable formatting).
+- Output: `write_json` (creates the folder, stable formatting), `log` (progress, to stderr).
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -20,7 +19,7 @@ import os
 import platform
 import statistics
 import sys
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from tiny_llm_support import (
     load_checkpoint,
     load_tokenizer,
     openblas_preload_env,
+    random_weights,
     resolve_model,
 )
 
@@ -43,16 +43,15 @@ __all__ = [
     "EMBEDDED_CONFIGS",
     "BenchModel",
     "resolve_bench_model",
-    "random_weights",
     "host_info",
     "mlx_info",
     "blas_info",
     "openblas_preload_env",
-    "int_at_least",
     "percentile",
     "summarize",
     "median",
     "write_json",
+    "log",
     "canonical_json",
 ]
 
@@ -165,7 +164,7 @@ class BenchModel:
             return
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
-        weights = random_weights(self.qwen3_config, self.weight_seed, _mx_dtype(dtype))
+        weights = random_weights(self.qwen3_config, self.weight_seed, dtype)
         mx.save_safetensors(str(directory / "model.safetensors"), weights, {"format": "pt"})
         (directory / "config.json").write_text(json.dumps(self.config, indent=2) + "\n")
         del weights
@@ -176,7 +175,7 @@ class BenchModel:
         """The checkpoint with this model's weights, cast to `dtype`, cut to `num_layers`."""
         if self.path is None:  # random weights, built in this process
             cfg = self.qwen3_config
-            weights = random_weights(cfg, self.weight_seed, _mx_dtype(dtype))
+            weights = random_weights(cfg, self.weight_seed, dtype)
             if cfg.tie_word_embeddings:
                 weights["lm_head.weight"] = weights["model.embed_tokens.weight"]
             return Checkpoint(path=Path(f"<random {self.name}>"), config=cfg, weights=weights)
@@ -272,30 +271,6 @@ def resolve_bench_model(
     )
 
 
-def random_weights(config: Qwen3Config, seed: int, dtype: mx.Dtype) -> dict[str, mx.array]:
-    """Uniform random weights with every tensor a Qwen3 checkpoint of `config` has.
-
-    Projections have std 1/sqrt(fan_in), embeddings std 1, norm weights are 1, so activations
-    stay at unit scale (no inf/nan, no denormals) through any number of layers. A tied
-    lm_head is left out, as in a published checkpoint. Uniform rather than normal noise:
-    MLX draws it about twice as fast, and only the shapes matter for timing.
-    """
-    key = mx.random.key(seed)
-    weights = {}
-    for name, shape in expected_shapes(config).items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            continue
-        if name.endswith("norm.weight"):
-            weights[name] = mx.ones(shape, dtype=dtype)
-            continue
-        key, sub = mx.random.split(key)
-        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[-1])
-        bound = std * math.sqrt(3.0)  # U(-b, b) has std b / sqrt(3)
-        weights[name] = mx.random.uniform(-bound, bound, shape, dtype=dtype, key=sub)
-        mx.eval(weights[name])  # one tensor at a time keeps the peak memory low
-    return weights
-
-
 def _read_config(path: Path) -> dict[str, Any]:
     try:
         with open(path, encoding="utf-8") as f:
@@ -326,13 +301,6 @@ def _ordinary_token_ids(
     return 0, high, excluded
 
 
-def _mx_dtype(name: str) -> mx.Dtype:
-    dtypes = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-    if name not in dtypes:
-        raise ValueError(f"unsupported dtype {name!r}; use one of {sorted(dtypes)}")
-    return dtypes[name]
-
-
 # --- the machine -------------------------------------------------------------------------
 
 
@@ -359,21 +327,6 @@ def mlx_info() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     return info
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse type: an integer no smaller than `low`."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 # --- numbers -----------------------------------------------------------------------------
@@ -411,6 +364,11 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float | 
 
 
 # --- output ------------------------------------------------------------------------------
+
+
+def log(message: str) -> None:
+    """Progress goes to stderr, so that stdout holds only the result table."""
+    print(message, file=sys.stderr, flush=True)
 
 
 def canonical_json(data: Any) -> str:

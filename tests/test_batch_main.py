@@ -21,7 +21,7 @@ from tiny_llm_support import SHORTCUTS, make_tiny_checkpoint
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "batch-main.py"
 TASK = re.compile(r"Week \d+ Day \d+, Task \d+")
-PREFILL_LINE = re.compile(r"prefill req\s+(\d+)\s+chunk (\d+) of (\d+)\s+tokens (\d+)/(\d+)")
+PREFILL_LINE = re.compile(r"prefill req\s+(\d+)\s+chunk (\d+): (\d+) tokens\s+(\d+)/(\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +84,7 @@ def test_tiny_end_to_end_plain_output(tmp_path):
     assert "tiny_llm_ref" in out
     assert re.search(r"^blas: ", out, re.M)
 
-    chunks = defaultdict(list)  # request -> [(k, n, done, total)]
+    chunks = defaultdict(list)  # request -> [(k, tokens, done, total)]
     for m in PREFILL_LINE.finditer(out):
         chunks[int(m[1])].append(tuple(map(int, m.groups()[1:])))
     assert sorted(chunks) == [0, 1, 2]
@@ -93,13 +93,38 @@ def test_tiny_end_to_end_plain_output(tmp_path):
         n = math.ceil(total / step)
         assert n > 1, "the prompts should need several chunks at --prefill-step 16"
         assert [k for k, *_ in seen] == list(range(1, n + 1)), f"request {req}: {seen}"
-        assert [done for _, _, done, _ in seen] == [min(k * step, total) for k in range(1, n + 1)]
-        assert all(nn == n for _, nn, _, _ in seen)
+        done = [min(k * step, total) for k in range(1, n + 1)]
+        assert [d for *_, d, _ in seen] == done
+        assert [t for _, t, _, _ in seen] == [b - a for a, b in zip([0, *done], done)]
     for req in range(3):
         assert re.search(rf"finish\s+req\s+{req}\s+\d+ tokens", out)
     check_answers(out, 3)
     for what in ("time to first token", "tokens/s", "longest decode gap"):
         assert what in out
+
+
+def test_prefill_shown_as_it_happened(demo, tmp_path, monkeypatch, capsys):
+    """A solution that prefills whole prompts whatever the budget (Week 3 Day 1's) shows one
+    chunk per prompt: the display counts the reported chunks, not num_prefill_chunks."""
+    import tiny_llm_ref
+
+    chunked = tiny_llm_ref.Request.try_prefill
+
+    def whole_prompt(request):
+        step, request.prefill_max_step = request.prefill_max_step, len(request.prompt_tokens)
+        try:
+            chunked(request)
+        finally:
+            request.prefill_max_step = step
+
+    monkeypatch.setattr(tiny_llm_ref.Request, "try_prefill", whole_prompt)
+    args = ["--num-prompts", "3", "--max-seq-len", "96", "--prefill-step", "16", "--plain"]
+    assert demo.main([*args, "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    seen = [tuple(map(int, m.groups())) for m in PREFILL_LINE.finditer(out)]
+    assert len(seen) == 3
+    for _, k, tokens, done, total in seen:
+        assert (k, tokens, done) == (1, total, total)
 
 
 def test_unfinished_skeleton_names_the_task(tmp_path):
@@ -177,3 +202,43 @@ def test_hf_layout_checkpoint_loads_like_a_download(demo, tmp_path, monkeypatch,
     assert f"({ckpt})" in out  # the header names the directory it loaded
     assert not (tmp_path / "cache").exists()  # the tiny checkpoint was not used
     check_answers(out, 2)
+
+
+def test_live_view_draws_passes_prefills_and_slots(tmp_path):
+    """The rich view, fed by the reference's batch_generate, on a console in memory."""
+    import io
+
+    from rich.console import Console
+
+    import tiny_llm_ref
+    from tiny_llm_support import load_checkpoint
+    from tiny_llm_support.batch_recorder import BatchRecorder
+    from tiny_llm_support.batch_views import LiveView
+
+    ckpt = load_checkpoint(make_tiny_checkpoint(tmp_path / "tiny"))
+    model = tiny_llm_ref.Qwen3Model(ckpt)
+    console = Console(file=io.StringIO(), width=120, color_system=None, markup=False)
+    rec, view = BatchRecorder(), LiveView(console, "test", 2, batch_size=2)
+    frames = []
+
+    def on_step(step):
+        rec.on_step(step)
+        view.show(step, rec)
+        with console.capture() as capture:
+            console.print(view.render(rec))
+        frames.append(capture.get())
+
+    prompts = [list(range(1, 30)), list(range(40, 50))]
+    with view:
+        tiny_llm_ref.batch_generate(
+            model, ckpt.tokenizer, prompts, 64, 2, 8, on_step=on_step, max_new_tokens=6
+        )
+    first, second = frames[0], frames[1]  # request 0: chunk 1, then a decode-less chunk 2
+    assert "pass 1: prefill req 0 (8 tokens)" in first
+    assert "prefill request 0 chunk 1: 8 tokens" in first and "8/29 tokens, in progress" in first
+    assert "chunk 2: 8 tokens" in second and "16/29 tokens" in second
+    last_prefill = next(f for f in frames if "29/29 tokens, done, now decoding" in f)
+    assert "chunk 4: 5 tokens" in last_prefill
+    assert any("decode 2 rows" in f for f in frames)  # a pass with both requests decoding
+    assert "finished 2/2" in frames[-1]
+    assert "request 1 finished: 6 tokens" in frames[-1]

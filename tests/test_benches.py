@@ -3,21 +3,47 @@
 They use the reference solution and the tiny synthetic checkpoint, and take a few seconds.
 """
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
+import mlx.core as mx
 import pytest
 
+import tiny_llm_ref
 from tiny_llm_support import load_checkpoint, make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCHES = ROOT / "benches"
-sys.path.insert(0, str(BENCHES))
+COMMITTED = BENCHES / "results" / "chunked-prefill-qwen3-0.6b-12layers-linux-x86_64-2cpu.json"
+TASK = re.compile(r"Week \d+ Day \d+, Task \d+: ")
 
-import chunked_prefill as cp  # noqa: E402
-import common  # noqa: E402
+
+def load_bench(name: str):
+    """A module of benches/ by its path. The benches are scripts that import their siblings by
+    name (their folder is first on sys.path when they run), so each is registered under its
+    own name; load a module's siblings before it."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+common = load_bench("common")
+tr = load_bench("trace_run")
+load_bench("chunked_prefill_report")
+cp = load_bench("chunked_prefill")
+load_bench("ceilings")
+impls = load_bench("model_impls")
+for _sibling in ("model_harness", "model_ablation", "model_report"):
+    load_bench(_sibling)
+bench_model = load_bench("model")
 
 # seed 0, 3 requests, prompt lengths 5..40, budgets 2..4, ids from the tiny vocabulary
 # (661 ids, 656..660 special). Changing how traces are drawn must change this on purpose.
@@ -38,17 +64,17 @@ def tiny_dir(tmp_path_factory):
 
 
 def test_trace_is_deterministic_and_in_range():
-    trace = cp.make_trace(**TINY_TRACE_ARGS)
+    trace = tr.make_trace(**TINY_TRACE_ARGS)
     assert trace.sha256() == TINY_TRACE_SHA256
-    assert cp.make_trace(**TINY_TRACE_ARGS).to_dict() == trace.to_dict()
-    assert cp.make_trace(**{**TINY_TRACE_ARGS, "seed": 1}).sha256() != trace.sha256()
+    assert tr.make_trace(**TINY_TRACE_ARGS).to_dict() == trace.to_dict()
+    assert tr.make_trace(**{**TINY_TRACE_ARGS, "seed": 1}).sha256() != trace.sha256()
     assert len(trace.prompts) == 3
     assert all(5 <= len(p) <= 40 for p in trace.prompts)
     assert all(2 <= b <= 4 for b in trace.output_budgets)
     ids = {t for p in trace.prompts for t in p}
     assert ids <= set(range(656)), "prompt ids must avoid special tokens and stay in the vocab"
     # excluded ids in the middle of the range are skipped, not just clipped
-    dense = cp.make_trace(1, 1, (400, 400), (1, 1), (0, 6), [2, 3])
+    dense = tr.make_trace(1, 1, (400, 400), (1, 1), (0, 6), [2, 3])
     assert set(dense.prompts[0]) == {0, 1, 4, 5}
 
 
@@ -59,23 +85,74 @@ def test_percentile_matches_linear_interpolation():
     assert common.percentile([], 50) is None
 
 
-def test_run_trace_generates_exactly_the_budgets(tiny_dir):
-    import tiny_llm_ref
-
+def test_serve_generates_exactly_the_budgets(tiny_dir):
+    """The solution's own batch_generate serves the trace; the bench only watches on_step."""
     model = tiny_llm_ref.Qwen3Model(load_checkpoint(tiny_dir))
-    trace = cp.make_trace(**TINY_TRACE_ARGS)
+    trace = tr.make_trace(**TINY_TRACE_ARGS)
     for budget in (8, 64):
-        result = cp.run_trace(model, tiny_llm_ref, trace, budget, batch_size=2)
+        options = {"batch_size": 2, "prefill_step": budget}
+        result = tr.serve(tiny_llm_ref, model, trace, options)
         m, raw = result["metrics"], result["raw"]
         assert m["output_tokens"] == sum(trace.output_budgets)
         # each request's first token comes from its last prefill chunk, the rest from decode
         assert m["decode_tokens"] == sum(trace.output_budgets) - len(trace.prompts)
         assert m["prefill_chunks"] == sum(-(-len(p) // budget) for p in trace.prompts)
+        assert len(raw["prefill_chunk_s"]) == m["prefill_chunks"]
         assert len(raw["decode_step_s"]) == m["decode_steps"] > 0
         assert len(raw["decode_gap_s"]) == m["decode_gaps"] <= m["decode_steps"] - 1
         assert all(t is not None and t > 0 for t in raw["ttft_s"] + raw["finish_s"])
         assert all(f >= t for t, f in zip(raw["ttft_s"], raw["finish_s"]))
         assert m["decode_gap_ms_p95"] >= m["decode_gap_ms_median"] > 0
+        assert m["wall_s"] >= max(raw["finish_s"])
+
+
+def test_serve_refuses_a_solution_that_ignores_the_budgets(tiny_dir):
+    model = tiny_llm_ref.Qwen3Model(load_checkpoint(tiny_dir))
+    trace = tr.make_trace(**TINY_TRACE_ARGS)
+
+    def one_token_more(*args, max_new_tokens, **kwargs):
+        more = [b + 1 for b in max_new_tokens]
+        return tiny_llm_ref.batch_generate(*args, max_new_tokens=more, **kwargs)
+
+    api = types.SimpleNamespace(batch_generate=one_token_more)
+    with pytest.raises(tr.WrongOutput, match="max_new_tokens"):
+        tr.serve(api, model, trace, {"batch_size": 2, "prefill_step": 8})
+
+
+def test_committed_result_names_its_trace():
+    """The committed measurement's trace is what make_trace draws from its stored arguments,
+    so a rerun with the same arguments serves the same requests."""
+    report = json.loads(COMMITTED.read_text())
+    args = report["arguments"]
+    model = common.resolve_bench_model(args["model"], args["random_weights"], args["num_layers"])
+    trace = tr.make_trace(
+        args["seed"],
+        args["num_seqs"],
+        (args["min_input_len"], args["max_input_len"]),
+        (args["min_output_len"], args["max_output_len"]),
+        model.token_ids,
+        model.excluded_ids,
+    )
+    assert trace.sha256() == report["trace"]["sha256"]
+    assert trace.prompts == report["trace"]["prompts"]
+    assert trace.output_budgets == report["trace"]["output_budgets"]
+
+
+def assert_schema_of_committed_result(report: dict) -> None:
+    """The report has every field the committed measurement has, down to one run's metrics
+    and raw times, and the per-budget rows."""
+    committed = json.loads(COMMITTED.read_text())
+    assert set(committed) <= set(report), set(committed) - set(report)
+    assert report["schema"] == committed["schema"]
+    for part in ("trace", "model", "blas"):
+        assert set(committed[part]) <= set(report[part]), part
+    run, old_run = report["runs"][0], committed["runs"][0]
+    assert set(old_run) <= set(run), set(old_run) - set(run)
+    assert set(run["metrics"]) == set(old_run["metrics"])
+    assert set(run["raw"]) == set(old_run["raw"])
+    row, old_row = report["budgets"][0], committed["budgets"][0]
+    assert set(row) == set(old_row)
+    assert set(row["median"]) == set(old_row["median"])
 
 
 def test_cli_writes_the_report(tiny_dir, tmp_path):
@@ -116,22 +193,10 @@ def test_cli_writes_the_report(tiny_dir, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "[2/2] prefill step" in proc.stderr  # one progress line per run
     report = json.loads(out.read_text())
-    for key in (
-        "host",
-        "mlx",
-        "device",
-        "dtype",
-        "blas",
-        "model",
-        "arguments",
-        "trace",
-        "runs",
-        "budgets",
-    ):
-        assert key in report, key
+    assert_schema_of_committed_result(report)
     trace = report["trace"]
-    assert trace["sha256"] == cp.make_trace(**TINY_TRACE_ARGS).sha256() == TINY_TRACE_SHA256
-    assert trace["output_budgets"] == cp.make_trace(**TINY_TRACE_ARGS).output_budgets
+    assert trace["sha256"] == tr.make_trace(**TINY_TRACE_ARGS).sha256() == TINY_TRACE_SHA256
+    assert trace["output_budgets"] == tr.make_trace(**TINY_TRACE_ARGS).output_budgets
     assert report["dtype"] == "float32" and report["model"]["num_layers"] == 2
     assert [r["prefill_step"] for r in report["runs"]] == [8, 64]
     assert len({r["pid"] for r in report["runs"]}) == 2  # a fresh process per run
@@ -159,3 +224,63 @@ def test_bad_arguments_fail_before_any_run(bad, message, capsys):
         cp.main([*bad, "--json-output", "/nonexistent/never-written.json"])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_unfinished_solution_stops_with_the_task(tiny_dir, tmp_path):
+    """--solution tiny_llm on the skeleton: the run names the first missing task in one line,
+    and neither process shows a traceback. (A finished tiny_llm must run like the reference.)"""
+    out = tmp_path / "report.json"
+    args = ["--model", str(tiny_dir), "--solution", "tiny_llm", "--prefill-steps", "8"]
+    args += ["--num-seqs", "2", "--min-input-len", "5", "--max-input-len", "20"]
+    args += ["--max-output-len", "2", "--min-output-len", "2", "--repeats", "1", "--no-plot"]
+    proc = subprocess.run(
+        [sys.executable, str(BENCHES / "chunked_prefill.py"), *args, "--json-output", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if proc.returncode == 0:
+        assert json.loads(out.read_text())["solution"] == "tiny_llm"
+        return
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr + proc.stdout
+    [line] = [x for x in proc.stderr.splitlines() if TASK.search(x)]
+    assert line.startswith("error: tiny_llm is not finished yet: Week ")
+    assert not out.exists()
+
+
+def test_bench_model_swaps_parts_without_touching_the_package(tiny_dir):
+    """The ablation's fast parts are passed in: each layer uses them, the logits stay within
+    rounding of the plain model, and the package's own attention function is unchanged."""
+    ckpt = load_checkpoint(tiny_dir)
+    grouped = tiny_llm_ref.qwen3.scaled_dot_product_attention_grouped
+    calls = []
+
+    def spy(q, k, v, mask=None):
+        calls.append(q.shape)
+        return impls.fast_attention(q, k, v, mask=mask)
+
+    tokens = mx.array([[3, 1, 4, 1, 5, 9, 2, 6]])
+    plain = impls.RefImpl(tiny_llm_ref, ckpt, "dense").prefill(tokens)[0]
+    parts = {**impls.VARIANTS["+all-fast"], "attention": spy}
+    fast = impls.RefImpl(tiny_llm_ref, ckpt, "dense", **parts)
+    logits = fast.prefill(tokens)[0]
+    assert len(calls) == ckpt.config.num_hidden_layers
+    assert mx.allclose(logits, plain, atol=1e-4).item()
+    assert isinstance(fast.model.norm, impls.FastRMSNorm)
+    assert tiny_llm_ref.qwen3.scaled_dot_product_attention_grouped is grouped
+
+
+def test_bench_model_cli_writes_its_report(tiny_dir, tmp_path):
+    out = tmp_path / "model.json"
+    args = ["--model", str(tiny_dir), "--prefill-lens", "16", "--decode-contexts", "16"]
+    args += ["--decode-batches", "2", "--repeats", "1", "--decode-steps", "1"]
+    args += ["--decode-warmup", "0", "--matmul-size", "64", "--copy-mb", "1"]
+    args += ["--batch-cache", "batching", "--no-openblas", "--json-output", str(out)]
+    assert bench_model.main(args) == 0
+    report = json.loads(out.read_text())
+    assert report["solution"] == "tiny_llm_ref"
+    assert [row["kind"] for row in report["prefill"] + report["decode"]] == ["prefill", "decode"]
+    assert report["agreement"]["ref"]["same_argmax"]
+    assert report["ceilings"]["matmul_ceiling_gflops"] > 0

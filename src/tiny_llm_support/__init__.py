@@ -1,5 +1,7 @@
 """What the course does not ask students to write: loading checkpoints and tokenizers,
-synthetic tiny checkpoints, model names, and device / BLAS set-up."""
+synthetic tiny checkpoints, model names, and device / BLAS set-up. Beside them, for the demo
+and the benchmarks: `cli` (shared command-line pieces), `batch_recorder` (measurements from
+batch_generate's on_step events), `batch_views` and `demo_prompts` (the batch-main demo)."""
 
 from .checkpoint import (
     Checkpoint,
@@ -20,7 +22,7 @@ from .device import (
 )
 from .models import SHORTCUTS, ModelNotAvailableError, resolve_model
 from .oracle import mlx_lm_qwen3
-from .tiny import make_tiny_checkpoint
+from .tiny import make_tiny_checkpoint, random_weights
 from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
@@ -35,6 +37,7 @@ __all__ = [
     "quantize_checkpoint",
     "quantize_weights",
     "make_tiny_checkpoint",
+    "random_weights",
     "Tokenizer",
     "load_tokenizer",
     "StreamingDetokenizer",

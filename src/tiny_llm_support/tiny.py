@@ -1,4 +1,5 @@
-"""Synthetic tiny Qwen3 checkpoints in Hugging Face layout, for tests and offline demos."""
+"""Synthetic Qwen3 checkpoints in Hugging Face layout: tiny ones for tests and offline demos,
+and random weights of any Qwen3 shape for benchmarks."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import mlx.core as mx
 import numpy as np
 import tokenizers
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, quantize_weights
+from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, quantize_weights, to_mx_dtype
 from .config import Qwen3Config, check_quant_format
 from .tiny_tokenizer import tiny_tokenizer_config, tiny_tokenizer_json
 
@@ -51,7 +52,7 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
         check_quant_format(group_size, int(bits), "make_tiny_checkpoint")
         fmt = {"group_size": group_size, "bits": int(bits), "mode": "affine"}
         config["quantization"] = config["quantization_config"] = fmt
-    weights = _random_weights(Qwen3Config.from_dict(config, source="make_tiny_checkpoint"), seed)
+    weights = random_weights(Qwen3Config.from_dict(config, source="make_tiny_checkpoint"), seed)
     if bits is not None:
         weights = quantize_weights(weights, group_size, int(bits))
     if not 1 <= shards <= len(weights):
@@ -105,8 +106,11 @@ def tiny_config(tokenizer_json: str, overrides: dict[str, Any]) -> dict[str, Any
     return config
 
 
-def _random_weights(config: Qwen3Config, seed: int) -> dict[str, mx.array]:
-    """Random weights scaled so that next-token logits are far from uniform.
+def random_weights(
+    config: Qwen3Config, seed: int, dtype: mx.Dtype | str = "float32"
+) -> dict[str, mx.array]:
+    """Deterministic random weights for every tensor of `config`, scaled so that next-token
+    logits are far from uniform. A tied lm_head is left out, as in a published checkpoint.
 
     Embeddings have std 1 and projections std 1/sqrt(fan_in), so activations keep unit scale,
     except o_proj and down_proj, 3x larger: the layers' output then outweighs the token's own
@@ -115,12 +119,14 @@ def _random_weights(config: Qwen3Config, seed: int) -> dict[str, mx.array]:
     Measured on random inputs: the top-1 minus top-2 logit gap has a median of about 0.8-2.
     """
     rng = np.random.RandomState(seed)
+    target = to_mx_dtype(dtype)
     weights = {}
     for name, shape in expected_shapes(config).items():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         noise = rng.standard_normal(shape).astype(np.float32)
-        weights[name] = mx.array(noise * _scale(name, shape, config) + _offset(name))
+        weights[name] = mx.array(noise * _scale(name, shape, config) + _offset(name)).astype(target)
+        mx.eval(weights[name])  # one tensor at a time: a large model never has two copies
     return weights
 
 

@@ -1,0 +1,84 @@
+"""The chunked-prefill benchmark's report: a table of the per-budget medians, and a plot of
+p95 decode gap against output throughput."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from common import log
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    header = (
+        f"{'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
+        f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
+        f"{'ttft p50':>9} {'chunks':>6}"
+    )
+    lines = [header]
+    for row in report["budgets"]:
+        m = row["median"]
+        lines.append(
+            f"{row['prefill_step']:>7} {row['runs']:>4} {m['output_tokens_per_s']:>8.2f} "
+            f"{m['requests_per_s']:>6.3f} {m['wall_s']:>7.2f} "
+            f"{_num(m['decode_step_ms_median'])} {_num(m['decode_gap_ms_median'])} "
+            f"{_num(m['decode_gap_ms_p95'])} {_num(m['decode_gap_ms_max'])} "
+            f"{_num(m['ttft_ms_median'])} {m['prefill_chunks']:>6.0f}"
+        )
+    return "\n".join(lines) + "\n(times in ms, medians over runs)"
+
+
+def _num(value: float | None) -> str:
+    return f"{'n/a':>9}" if value is None else f"{value:>9.1f}"
+
+
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """p95 decode gap against output throughput, one labeled point per budget (median over
+    runs; the bars span the runs' min..max)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+        return None
+    rows = [r for r in report["budgets"] if r["median"]["decode_gap_ms_p95"] is not None]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+    xs = [r["median"]["output_tokens_per_s"] for r in rows]
+    ys = [r["median"]["decode_gap_ms_p95"] for r in rows]
+    xerr = [
+        [x - r["min"]["output_tokens_per_s"] for x, r in zip(xs, rows)],
+        [r["max"]["output_tokens_per_s"] - x for x, r in zip(xs, rows)],
+    ]
+    yerr = [
+        [y - r["min"]["decode_gap_ms_p95"] for y, r in zip(ys, rows)],
+        [r["max"]["decode_gap_ms_p95"] - y for y, r in zip(ys, rows)],
+    ]
+    ax.plot(xs, ys, color="0.7", linewidth=1, zorder=1)
+    ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o", capsize=3, zorder=2)
+    for x, y, r in zip(xs, ys, rows):
+        ax.annotate(
+            f"prefill {r['prefill_step']}",
+            (x, y),
+            textcoords="offset points",
+            xytext=(6, 6),
+            fontsize=9,
+        )
+    model = report["model"]
+    ax.set_xlabel("output throughput (tokens/s)")
+    ax.set_ylabel("p95 decode gap (ms)")
+    ax.set_ylim(bottom=0)
+    ax.set_title(
+        f"{model['name']} ({model['num_layers']} layers, {report['dtype']}), "
+        f"{report['trace']['num_requests']} requests, batch {report['arguments']['batch_size']}\n"
+        f"{report['host']['machine']}, {report['host']['cpu_count']} CPUs, "
+        f"{', '.join(report['blas']['runs'])}, MLX {report['mlx']['version']}",
+        fontsize=9,
+    )
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,211 @@
+"""A request trace for serving benchmarks, and one run of it through a solution's own
+batch_generate, observed only through on_step (tiny_llm_support.batch_recorder).
+
+A trace is a list of prompts as token ids and an output budget per request. A run hands the
+whole trace to `batch_generate` at once (every request arrives at time 0) with
+`max_new_tokens` = the budgets and `ignore_eos=True`, so that every request generates exactly
+its budget and every scheduler setting does the same work.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import random
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from common import BenchModel, canonical_json, summarize
+
+from tiny_llm_support.batch_recorder import BatchRecorder
+
+WARMUP_OUTPUT_BUDGET = 4
+
+
+class WrongOutput(RuntimeError):
+    """The solution's batch_generate did not generate exactly the budgets it was given."""
+
+
+@dataclass
+class Trace:
+    """Prompts as token ids, and how many tokens each request must generate."""
+
+    prompts: list[list[int]]
+    output_budgets: list[int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"prompts": self.prompts, "output_budgets": self.output_budgets}
+
+    def sha256(self) -> str:
+        return hashlib.sha256(canonical_json(self.to_dict()).encode("ascii")).hexdigest()
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_budgets)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest request: prompt plus output budget."""
+        return max(len(p) + b for p, b in zip(self.prompts, self.output_budgets))
+
+
+def make_trace(
+    seed: int,
+    num_seqs: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    token_ids: tuple[int, int],
+    excluded_ids: Sequence[int] = (),
+) -> Trace:
+    """A deterministic trace: lengths uniform in the closed ranges, ids uniform over
+    [low, high) minus `excluded_ids`. Python's `random` keeps its stream stable across
+    versions, so a seed names the same trace everywhere."""
+    low, high = token_ids
+    excluded = sorted({i for i in excluded_ids if low <= i < high})
+    choices = high - low - len(excluded)
+    if choices < 1:
+        raise ValueError("no token ids to draw prompts from")
+    rng = random.Random(seed)
+    prompts, budgets = [], []
+    for _ in range(num_seqs):
+        length = rng.randint(*input_len)
+        budgets.append(rng.randint(*output_len))
+        prompts.append([_nth_allowed(rng.randrange(choices), low, excluded) for _ in range(length)])
+    return Trace(prompts, budgets)
+
+
+def _nth_allowed(n: int, low: int, excluded: list[int]) -> int:
+    """The n-th id (from 0) counting up from `low` and skipping the sorted `excluded` ids."""
+    token = low + n
+    for e in excluded:
+        if e <= token:
+            token += 1
+        else:
+            break
+    return token
+
+
+def warmup_trace(args: argparse.Namespace, model: BenchModel) -> Trace:
+    """A short trace for the warm-up runs, from another seed: one longest prompt (so the
+    largest chunks and caches have been allocated once), the rest of a batch at the shortest
+    length, a few output tokens each."""
+    n = min(args.num_seqs, args.batch_size)
+    budget = (min(args.max_output_len, WARMUP_OUTPUT_BUDGET),) * 2
+    seed = args.seed + 1_000_003
+    longest = make_trace(
+        seed, 1, (args.max_input_len,) * 2, budget, model.token_ids, model.excluded_ids
+    )
+    rest = make_trace(
+        seed + 1, n - 1, (args.min_input_len,) * 2, budget, model.token_ids, model.excluded_ids
+    )
+    return Trace(longest.prompts + rest.prompts, longest.output_budgets + rest.output_budgets)
+
+
+class NoTextTokenizer:
+    """The tokenizer handed to batch_generate with a trace: prompts are token ids already and
+    no text is wanted (a random-weight model has no tokenizer at all). EOS is ignored
+    (ignore_eos=True), so none is declared; the detokenizer keeps nothing."""
+
+    eos_token_ids: frozenset[int] = frozenset()
+
+    def detokenizer(self) -> _NoText:
+        return _NoText()
+
+
+class _NoText:
+    text = ""
+
+    def add_token(self, token_id: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
+
+
+def serve(
+    api: ModuleType,
+    model: Any,
+    trace: Trace,
+    options: dict[str, Any],
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Serve `trace` with `api.batch_generate` (api: tiny_llm_ref or tiny_llm) under the
+    scheduler settings `options` (batch_generate keywords) and measure it.
+
+    Returns {"metrics": scalar numbers, "raw": per-step and per-request times in seconds}.
+    """
+    rec = BatchRecorder(clock)
+    api.batch_generate(
+        model,
+        NoTextTokenizer(),
+        trace.prompts,
+        max_seq_len=trace.max_seq_len,
+        on_step=rec.on_step,
+        max_new_tokens=trace.output_budgets,
+        ignore_eos=True,
+        **options,
+    )
+    rec.stop()
+    n = len(trace.prompts)
+    generated = [rec.requests[i].generated if i in rec.requests else 0 for i in range(n)]
+    if generated != trace.output_budgets:
+        raise WrongOutput(
+            f"batch_generate generated {generated} tokens for budgets {trace.output_budgets}: "
+            "it must stop each request after exactly max_new_tokens, and ignore EOS when asked"
+        )
+    return {"metrics": run_metrics(rec, trace), "raw": raw_times(rec, n)}
+
+
+def run_metrics(rec: BatchRecorder, trace: Trace) -> dict[str, Any]:
+    """The run's numbers: throughput, decode steps and gaps, TTFT, prefill chunks (ms)."""
+    steps = summarize([p.duration for p in rec.decode_passes()], 1e3)
+    gaps = summarize([g.seconds for g in rec.decode_gaps()], 1e3)
+    first = summarize([r.ttft for r in rec.requests.values()], 1e3)
+    chunks = summarize([p.duration for p in rec.prefill_passes()], 1e3)
+    n = len(trace.prompts)
+    return {
+        "wall_s": rec.wall,
+        "requests": n,
+        "prompt_tokens": trace.prompt_tokens,
+        "output_tokens": trace.output_tokens,
+        "output_tokens_per_s": rec.output_tokens_per_s(),
+        "requests_per_s": n / rec.wall,
+        "decode_steps": steps["count"],
+        "decode_tokens": rec.decode_tokens(),
+        "decode_step_ms_median": steps["median"],
+        "decode_step_ms_p95": steps["p95"],
+        "decode_step_ms_max": steps["max"],
+        "decode_gaps": gaps["count"],
+        "decode_gap_ms_median": gaps["median"],
+        "decode_gap_ms_p95": gaps["p95"],
+        "decode_gap_ms_max": gaps["max"],
+        "ttft_ms_median": first["median"],
+        "ttft_ms_p95": first["p95"],
+        "ttft_ms_max": first["max"],
+        "prefill_chunks": sum(len(r.chunks) for r in rec.requests.values()),
+        "prefill_chunk_ms_median": chunks["median"],
+        "prefill_chunk_ms_max": chunks["max"],
+    }
+
+
+def raw_times(rec: BatchRecorder, n: int) -> dict[str, list[float | None]]:
+    """Every decode step, decode gap and prefill chunk, and each request's TTFT and finish."""
+    requests = [rec.requests[i] for i in range(n)]
+    return {
+        "decode_step_s": _rounded([p.duration for p in rec.decode_passes()]),
+        "decode_gap_s": _rounded([g.seconds for g in rec.decode_gaps()]),
+        "prefill_chunk_s": _rounded([p.duration for p in rec.prefill_passes()]),
+        "ttft_s": _rounded([r.ttft for r in requests]),
+        "finish_s": _rounded([r.finished for r in requests]),
+    }
+
+
+def _rounded(values: Sequence[float | None]) -> list[float | None]:
+    return [None if v is None else round(v, 6) for v in values]

@@ -1,0 +1,125 @@
+"""Command-line pieces shared by main.py, batch-main.py and the benchmarks: which solution to
+run, devices and dtypes, argument types, printable model text, the OpenBLAS restart."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+from .checkpoint import DTYPES
+from .device import OPENBLAS_HINT, blas_info, reexec_with_openblas
+from .models import SHORTCUTS, resolve_model
+
+__all__ = [
+    "DEVICES",
+    "DTYPES",
+    "SOLUTIONS",
+    "add_solution_argument",
+    "cpu_hints",
+    "default_dtype",
+    "float_at_least",
+    "int_at_least",
+    "load_solution",
+    "MODEL_HELP",
+    "model_path",
+    "printable",
+    "reexec_with_openblas",
+    "unfinished_message",
+]
+
+SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
+DEVICES = ("auto", "cpu", "gpu")
+MODEL_HELP = (
+    "'tiny' (synthetic, offline), a shortcut such as qwen3-0.6b, a Hugging Face repo id "
+    "(org/name) or a local checkpoint directory"
+)
+
+# A random model writes any byte, escape sequences included: control characters print as
+# U+FFFD. On one line, newlines show as a return arrow and tabs as a space.
+_CONTROLS = {c: "\ufffd" for c in [*range(0x20), *range(0x7F, 0xA0)] if chr(c) not in "\n\t"}
+_ONE_LINE = {**_CONTROLS, ord("\n"): "\u21b5", ord("\t"): " "}
+
+
+def printable(text: str, one_line: bool = False) -> str:
+    """Model text made safe to print on a terminal."""
+    return text.translate(_ONE_LINE if one_line else _CONTROLS)
+
+
+def add_solution_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    parser.add_argument(
+        "--solution",
+        choices=sorted(SOLUTIONS),
+        default="ref",
+        help="ref runs tiny_llm_ref, tiny_llm runs your own code",
+    )
+
+
+def load_solution(name: str) -> ModuleType:
+    """The package a --solution name stands for, imported."""
+    return importlib.import_module(SOLUTIONS[name])
+
+
+def unfinished_message(solution: str, error: NotImplementedError) -> str:
+    """One line for a solution that reached an exercise not written yet (the error names it)."""
+    return (
+        f"error: {SOLUTIONS.get(solution, solution)} is not finished yet: {error} (its chapter "
+        "in the book explains it; --solution ref runs the reference solution)"
+    )
+
+
+def model_path(model: str, cache_dir: str | None = None) -> Path:
+    """The checkpoint directory of a --model argument (downloaded if need be). An unknown name
+    or a missing directory raises ValueError with the list of model names."""
+    try:
+        return resolve_model(model, cache_dir=cache_dir)
+    except (ValueError, FileNotFoundError) as e:
+        first = str(e) if isinstance(e, FileNotFoundError) else f"unknown model {model!r}"
+        names = "\n".join(f"  {name:<12} {repo}" for name, repo in SHORTCUTS.items())
+        raise ValueError(
+            f"{first}\n\nModel names:\n  {'tiny':<12} synthetic checkpoint, made locally, works "
+            f"offline (its text is meaningless)\n{names}\nor a Hugging Face repo id (org/name), "
+            "or a directory with config.json, *.safetensors and tokenizer.json."
+        ) from e
+
+
+def default_dtype(device: str) -> str:
+    """float32 on the CPU, where bf16 matmul is slow; bfloat16 on a GPU."""
+    return "bfloat16" if device == "gpu" else "float32"
+
+
+def cpu_hints(device: str, dtype: str) -> list[str]:
+    """Lines for a slow CPU set-up: the wheel's reference BLAS on Linux, a 16-bit dtype."""
+    hints = []
+    if device == "cpu" and sys.platform.startswith("linux"):
+        if blas_info()["blas"].startswith("reference"):
+            hints.append(f"hint: {OPENBLAS_HINT}")
+    if device == "cpu" and dtype != "float32":
+        hints.append(f"hint: {dtype} matmul is slow on the CPU; --dtype float32 is faster")
+    return hints
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    """An argparse type: an integer no smaller than `low`."""
+    return _at_least(int, low, "an integer")
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """An argparse type: a number no smaller than `low`."""
+    return _at_least(float, low, "a number")
+
+
+def _at_least(kind: type, low: float, what: str) -> Callable[[str], float]:
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not value >= low:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"expected {what} >= {low}, got {value}")
+        return value
+
+    return parse
