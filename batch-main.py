@@ -36,17 +36,10 @@ class UsageError(Exception):
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positive = cli.int_at_least(1)
-    p = argparse.ArgumentParser(
-        prog="batch-main",
-        description="Continuous batching with chunked prefill, drawn live.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="tiny", help=cli.MODEL_HELP)
-    cli.add_solution_argument(p)
+    p = cli.script_parser("batch-main", "Continuous batching with chunked prefill, drawn live.")
     p.add_argument("--batch-size", type=positive, default=5, help="decode slots")
     p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
     p.add_argument("--max-seq-len", type=positive, default=512, help="prompt + answer tokens")
-    p.add_argument("--device", choices=cli.DEVICES, default="auto")
     p.add_argument(
         "--dtype",
         choices=list(cli.DTYPES),

@@ -20,20 +20,13 @@ from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_ch
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
-        prog="main",
-        description="Generate text for one prompt.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="tiny", help=cli.MODEL_HELP)
-    cli.add_solution_argument(p)
+    p = cli.script_parser("main", "Generate text for one prompt.")
     p.add_argument("--prompt", default="Tell me a short story about a cat.")
     p.add_argument("--max-tokens", type=cli.int_at_least(0), default=64)
     p.add_argument("--temperature", type=cli.float_at_least(0), default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=cli.int_at_least(1), default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
-    p.add_argument("--device", choices=cli.DEVICES, default="auto")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     args = p.parse_args(argv)
     if args.top_p is not None and not 0 < args.top_p <= 1:

@@ -40,13 +40,14 @@ import mlx.core as mx
 from chunked_prefill_report import plot, summary_table
 from common import (
     BenchModel,
+    add_model_arguments,
+    bench_model_from_args,
     blas_info,
     host_info,
     log,
     median,
     mlx_info,
     openblas_preload_env,
-    resolve_bench_model,
     write_json,
 )
 from trace_run import Trace, WrongOutput, make_trace, serve, warmup_trace
@@ -54,10 +55,7 @@ from trace_run import Trace, WrongOutput, make_trace, serve, warmup_trace
 from tiny_llm_support import choose_device, gpu_available
 from tiny_llm_support.batch_recorder import StepError
 from tiny_llm_support.cli import (
-    DEVICES,
-    DTYPES,
     SOLUTIONS,
-    add_solution_argument,
     default_dtype,
     float_at_least,
     int_at_least,
@@ -162,44 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reverse budget order.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default="tiny",
-        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b, ...), a checkpoint "
-        "directory, or the path of a config.json (random weights)",
-    )
-    m.add_argument(
-        "--random-weights",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="random weights with the model's shapes (no download); default: on for "
-        "qwen3-0.6b/qwen3-1.7b and config.json paths, off for checkpoints",
-    )
-    m.add_argument(
-        "--num-layers",
-        type=int_at_least(1),
-        default=None,
-        help="keep only this many layers (a smaller model; any number with random weights)",
-    )
-    m.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default=None,
-        help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
-    )
-    m.add_argument("--device", choices=DEVICES, default="auto")
-    add_solution_argument(m)
-    m.add_argument(
-        "--offline",
-        action="store_true",
-        help="never download: real weights must be in the Hugging Face cache",
-    )
-    m.add_argument(
-        "--no-openblas",
-        action="store_true",
-        help="on Linux, do not preload Debian's OpenBLAS into the runs",
-    )
+    add_model_arguments(p, default_model="tiny")
     t = p.add_argument_group("trace and schedule")
     t.add_argument(
         "--prefill-steps",
@@ -255,17 +216,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
     dupes = sorted({s for s in args.prefill_steps if args.prefill_steps.count(s) > 1})
     if dupes:
         p.error(f"--prefill-steps lists {', '.join(map(str, dupes))} more than once")
-    if args.device == "gpu" and not gpu_available():
-        p.error("--device gpu: MLX has no Metal or CUDA device here")
-    for path in (args.json_output, args.plot_output):
-        if path is not None and path.is_dir():
-            p.error(f"{path} is a directory; give a file name")
-    try:
-        model = resolve_bench_model(
-            args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
-        )
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        p.error(f"--model {args.model}: {e}")
+    model = bench_model_from_args(p, args)
     longest = args.max_input_len + args.max_output_len
     limit = int(model.config["max_position_embeddings"])
     if longest > limit:

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -32,17 +33,21 @@ from tiny_llm_support import (
     Tokenizer,
     blas_info,
     expected_shapes,
+    gpu_available,
     load_checkpoint,
     load_tokenizer,
     openblas_preload_env,
     random_weights,
     resolve_model,
 )
+from tiny_llm_support.cli import DEVICES, DTYPES, add_solution_argument, int_at_least
 
 __all__ = [
     "EMBEDDED_CONFIGS",
     "BenchModel",
     "resolve_bench_model",
+    "add_model_arguments",
+    "bench_model_from_args",
     "host_info",
     "mlx_info",
     "blas_info",
@@ -269,6 +274,65 @@ def resolve_bench_model(
         token_ids=(low, high),
         excluded_ids=excluded,
     )
+
+
+def add_model_arguments(p: argparse.ArgumentParser, default_model: str) -> argparse._ArgumentGroup:
+    """The "model" group every benchmark has (a bench adds its own options to it)."""
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=default_model,
+        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random weights), a "
+        "checkpoint directory, or the path of a config.json (random weights)",
+    )
+    m.add_argument(
+        "--random-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random weights with the model's shapes (no download); default: on for "
+        "shortcuts with an embedded config and config.json paths, off for checkpoints",
+    )
+    m.add_argument(
+        "--num-layers",
+        type=int_at_least(1),
+        default=None,
+        help="keep only this many layers (a smaller model; any number with random weights)",
+    )
+    m.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
+    m.add_argument("--device", choices=DEVICES, default="auto")
+    add_solution_argument(m)
+    m.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: real weights must be in the Hugging Face cache",
+    )
+    m.add_argument(
+        "--no-openblas",
+        action="store_true",
+        help="on Linux, keep the mlx[cpu] wheel's bundled reference BLAS (no OpenBLAS preload)",
+    )
+    return m
+
+
+def bench_model_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
+    """The model group's checks and the model it names (no weights read); a bad choice exits
+    through argparse. Also refuses an output path that is a directory."""
+    if args.device == "gpu" and not gpu_available():
+        p.error("--device gpu: MLX has no Metal or CUDA device here")
+    for path in (args.json_output, getattr(args, "plot_output", None)):
+        if path is not None and path.is_dir():
+            p.error(f"{path} is a directory; give a file name")
+    try:
+        return resolve_bench_model(
+            args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
+        )
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        p.error(f"--model {args.model}: {e}")
 
 
 def _read_config(path: Path) -> dict[str, Any]:

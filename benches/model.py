@@ -62,24 +62,23 @@ from pathlib import Path
 
 from ceilings import measure_ceilings
 from common import (
+    add_model_arguments,
+    bench_model_from_args,
     blas_info,
     host_info,
     log,
     mlx_info,
-    resolve_bench_model,
     write_json,
 )
 from model_ablation import ablate_models, ablate_ops
-from model_harness import check_agreement, measure_decode, measure_prefill
+from model_harness import Workload, check_agreement, measure_decode, measure_prefill
 from model_impls import MLX_LM, MlxLmImpl, RefImpl
 from model_report import markdown_table
 
-from tiny_llm_support import choose_device, gpu_available
+from tiny_llm_support import choose_device
 from tiny_llm_support.cli import (
-    DEVICES,
     DTYPES,
     SOLUTIONS,
-    add_solution_argument,
     default_dtype,
     int_at_least,
     load_solution,
@@ -101,31 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         "same weights, and both against this machine's matmul and bandwidth limits.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default="qwen3-0.6b",
-        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random "
-        "weights), a checkpoint directory, or the path of a config.json",
-    )
-    m.add_argument(
-        "--random-weights",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="random weights with the model's shapes; default: on for shortcuts with "
-        "an embedded config and config.json paths, off for checkpoints",
-    )
-    m.add_argument(
-        "--num-layers", type=pos, default=None, help="keep only this many layers (quick runs)"
-    )
-    m.add_argument(
-        "--dtype",
-        choices=sorted(DTYPES),
-        default=None,
-        help="default: float32 on the CPU, bfloat16 on a GPU",
-    )
-    m.add_argument("--device", choices=DEVICES, default="auto")
-    add_solution_argument(m)
+    m = add_model_arguments(p, default_model="qwen3-0.6b")
     m.add_argument(
         "--batch-cache",
         choices=("dense", "batching"),
@@ -133,33 +108,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="the course's cache for decode batches > 1: one dense cache of batch B "
         "per layer, or a BatchingKvCache over B one-row dense caches",
     )
-    m.add_argument(
-        "--offline",
-        action="store_true",
-        help="never download: real weights must be in the Hugging Face cache",
-    )
-    m.add_argument(
-        "--no-openblas",
-        action="store_true",
-        help="on Linux, keep the bundled reference BLAS of the mlx[cpu] wheel",
-    )
     w = p.add_argument_group("workload")
-    w.add_argument(
-        "--prefill-lens",
-        type=pos,
-        nargs="*",
-        default=[128, 512, 2048],
-        metavar="N",
-        help="prompt lengths (none: no prefill measurements)",
-    )
-    w.add_argument(
-        "--decode-contexts",
-        type=pos,
-        nargs="*",
-        default=[128, 1024],
-        metavar="N",
-        help="cached tokens at the timed decode steps (none: no decode measurements)",
-    )
+    for flag, default, what in (
+        ("--prefill-lens", [128, 512, 2048], "prompt lengths (none: no prefill measurements)"),
+        (
+            "--decode-contexts",
+            [128, 1024],
+            "cached tokens at the timed decode steps (none: no decode measurements)",
+        ),
+    ):
+        w.add_argument(flag, type=pos, nargs="*", default=default, metavar="N", help=what)
     w.add_argument(
         "--decode-batches",
         type=pos,
@@ -240,20 +198,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.prefill_lens = [n for n in args.prefill_lens if n <= 512] or [128]
         args.repeats, args.long_repeats = min(args.repeats, 2), min(args.long_repeats, 2)
         args.decode_steps = min(args.decode_steps, 4)
-    if args.json_output is not None and args.json_output.is_dir():
-        parser.error(f"{args.json_output} is a directory; give a file name")
-    if args.device == "gpu" and not gpu_available():
-        parser.error("--device gpu: MLX has no Metal or CUDA device here")
     try:
         import mlx_lm
     except ImportError:
         parser.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
-    try:
-        model = resolve_bench_model(
-            args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
-        )
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        parser.error(f"--model {args.model}: {e}")
+    model = bench_model_from_args(parser, args)
     contexts = args.decode_contexts or ([1024] if args.ablate else [])
     longest = max(
         [
@@ -294,8 +243,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             label: RefImpl(load_solution(label), ckpt, args.batch_cache),
             MLX_LM: MlxLmImpl(ckpt),
         }
-        rng = random.Random(args.seed)
-        agreement = check_agreement(impls, rng, model)
+        work = Workload(model, cfg, dtype, random.Random(args.seed))
+        agreement = check_agreement(impls, work)
     except NotImplementedError as e:
         log(unfinished_message(label, e))
         return 1
@@ -312,29 +261,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
     ceilings = measure_ceilings(args.matmul_size, args.copy_mb, args.ceiling_repeats, dtype)
+    work.ceilings = ceilings
     prefill = measure_prefill(
-        impls,
-        args.prefill_lens,
-        args.repeats,
-        args.long_repeats,
-        args.long_from,
-        rng,
-        model,
-        cfg,
-        ceilings,
+        impls, args.prefill_lens, args.repeats, args.long_repeats, args.long_from, work
     )
     points = [(c, b) for c in args.decode_contexts for b in args.decode_batches]
     decode = measure_decode(
-        impls,
-        points,
-        args.repeats,
-        args.decode_warmup,
-        args.decode_steps,
-        rng,
-        model,
-        cfg,
-        dtype,
-        ceilings,
+        impls, points, args.repeats, args.decode_warmup, args.decode_steps, work
     )
     ablation = None
     if args.ablate:
@@ -343,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             impls[label].pkg, cfg, dtype, args.ablate_len, max(contexts), max(args.repeats, 5)
         )
         log("ablation, the course's model with mx.fast operations:")
-        models = ablate_models(args, ckpt, impls, rng, model, cfg, dtype, ceilings)
+        models = ablate_models(args, ckpt, impls, work)
         ablation = {"ops": ops, "models": models}
 
     report = {

@@ -9,7 +9,7 @@ from typing import Any
 import mlx.core as mx
 from ceilings import timed
 from common import log, median
-from model_harness import check_agreement, measure_decode, measure_prefill
+from model_harness import Workload, check_agreement, measure_decode, measure_prefill
 from model_impls import VARIANTS, RefImpl, cache_arrays
 
 
@@ -186,61 +186,41 @@ def ablate_ops(
 
     for _ in range(2):  # warm-up: the preallocated caches grow by 256 positions on the first
         mx.eval(*[appender(g)() for g in groups.values()])
-    record(
-        "kv cache append",
-        "decode",
-        1,
-        1,
-        appender(groups["course"]),
-        appender(groups["mlx-lm"]),
-        None,
-        f"TinyKvFullCache vs mlx-lm KVCache (both preallocated, slice update) at context "
-        f"{context}, batch 1",
-    )
-    record(
-        "kv append, concatenating",
-        "decode",
-        1,
-        1,
-        appender(groups["concat"]),
-        appender(groups["mlx-lm"]),
-        None,
-        f"a cache that concatenates (copies all {context} positions) vs mlx-lm KVCache",
-    )
+    compared = {
+        "course": (
+            "kv cache append",
+            "TinyKvFullCache vs mlx-lm KVCache (both preallocated, slice update) at context "
+            f"{context}, batch 1",
+        ),
+        "concat": (
+            "kv append, concatenating",
+            f"a cache that concatenates (copies all {context} positions) vs mlx-lm KVCache",
+        ),
+    }
+    for group, (name, note) in compared.items():
+        plain, fast = appender(groups[group]), appender(groups["mlx-lm"])
+        record(name, "decode", 1, 1, plain, fast, None, note)
     return results
 
 
 # --- ablation: whole-model variants ------------------------------------------------------
 
 
-def ablate_models(args, ckpt, base_impls, rng, model, cfg, dtype, ceilings):
+def ablate_models(args, ckpt, base_impls: dict[str, Any], w: Workload) -> dict[str, Any]:
     """The course's model with mx.fast attention, norms + RoPE, or both, next to the plain
     model and mlx-lm: prefill at --ablate-len, decode at the largest context and batch."""
     impls = dict(base_impls)
     pkg = base_impls[args.solution].pkg
     for suffix, parts in VARIANTS.items():
         impls[args.solution + suffix] = RefImpl(pkg, ckpt, args.batch_cache, **parts)
-    agreement = check_agreement(impls, rng, model)
+    agreement = check_agreement(impls, w)
     for name in impls:
         if name not in base_impls:
             log(f"  {name}: max |logit diff| vs mlx-lm {agreement[name]['max_abs_diff']:.2e}")
     reps = args.ablate_repeats
-    prefill = measure_prefill(
-        impls, [args.ablate_len], reps, reps, 10**9, rng, model, cfg, ceilings
-    )
+    prefill = measure_prefill(impls, [args.ablate_len], reps, reps, 10**9, w)
     point = (max(args.decode_contexts or [1024]), max(args.decode_batches))
-    decode = measure_decode(
-        impls,
-        [point],
-        reps,
-        args.decode_warmup,
-        args.decode_steps,
-        rng,
-        model,
-        cfg,
-        dtype,
-        ceilings,
-    )
+    decode = measure_decode(impls, [point], reps, args.decode_warmup, args.decode_steps, w)
     return {
         "agreement": agreement,
         "prefill": prefill,

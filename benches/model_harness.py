@@ -7,12 +7,27 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 from ceilings import stats
 from common import BenchModel, log, median
 from model_impls import MLX_LM, cache_arrays
+
+from tiny_llm_support import Qwen3Config
+
+
+@dataclass
+class Workload:
+    """What every measurement of a run shares."""
+
+    model: BenchModel
+    cfg: Qwen3Config
+    dtype: mx.Dtype
+    rng: random.Random  # the prompts' token ids
+    ceilings: dict[str, Any] = field(default_factory=dict)  # the machine's, once measured
+
 
 # --- FLOPs and bytes ---------------------------------------------------------------------
 
@@ -76,10 +91,10 @@ def run_prefill(impl, tokens: mx.array) -> float:
     return time.perf_counter() - t0
 
 
-def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model, cfg, ceil):
+def measure_prefill(impls, lengths, repeats, long_repeats, long_from, w: Workload) -> list:
     rows = []
     for length in lengths:
-        tokens = random_tokens(rng, model, (1, length))
+        tokens = random_tokens(w.rng, w.model, (1, length))
         is_long = length >= long_from
         reps = long_repeats if is_long else repeats
         if not is_long:
@@ -94,7 +109,7 @@ def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model
                     f"  prefill {length:>5} tokens  {name:<20} {r + 1}/{reps}: "
                     f"{length / t:8.1f} tok/s ({t:.2f} s)"
                 )
-        flops = prefill_flops(cfg, length)
+        flops = prefill_flops(w.cfg, length)
         row: dict[str, Any] = {
             "kind": "prefill",
             "prompt_len": length,
@@ -109,7 +124,7 @@ def measure_prefill(impls, lengths, repeats, long_repeats, long_from, rng, model
                 "tokens_per_s": stats([length / t for t in ts]),
                 "seconds": stats(ts),
                 "gflops": stats(gflops),
-                "fraction_of_matmul_ceiling": median(gflops) / ceil["matmul_ceiling_gflops"],
+                "fraction_of_matmul_ceiling": median(gflops) / w.ceilings["matmul_ceiling_gflops"],
             }
         row["ratio_over_mlx_lm"] = _ratios(row, "tokens_per_s", higher_is_better=True)
         rows.append(row)
@@ -146,11 +161,11 @@ def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int):
     return kv
 
 
-def measure_decode(impls, points, repeats, warmup, steps, rng, model, cfg, dtype, ceil):
+def measure_decode(impls, points, repeats, warmup, steps, w: Workload) -> list:
     rows = []
     for context, batch in points:
-        kv = random_context(cfg, batch, context, dtype, seed=context * 16 + batch)
-        tokens = random_tokens(rng, model, (batch, 1))
+        kv = random_context(w.cfg, batch, context, w.dtype, seed=context * 16 + batch)
+        tokens = random_tokens(w.rng, w.model, (batch, 1))
         per_step: dict[str, list[float]] = {name: [] for name in impls}
         for r in range(repeats):
             for name in _order(r, impls):
@@ -161,7 +176,7 @@ def measure_decode(impls, points, repeats, warmup, steps, rng, model, cfg, dtype
                     f"{1000 * per_step[name][-1]:8.1f} ms/step"
                 )
         del kv
-        nbytes = decode_bytes(cfg, batch, context, dtype.size)
+        nbytes = decode_bytes(w.cfg, batch, context, w.dtype.size)
         row: dict[str, Any] = {
             "kind": "decode",
             "context": context,
@@ -178,18 +193,18 @@ def measure_decode(impls, points, repeats, warmup, steps, rng, model, cfg, dtype
                 "ms_per_step": stats([1000 * t for t in ts]),
                 "tokens_per_s": stats([batch / t for t in ts]),
                 "gbs": stats(gbs),
-                "fraction_of_bandwidth_ceiling": median(gbs) / ceil["bandwidth_ceiling_gbs"],
-                "fraction_of_gemv": median(gbs) / ceil["gemv_gbs"]["max"],
+                "fraction_of_bandwidth_ceiling": median(gbs) / w.ceilings["bandwidth_ceiling_gbs"],
+                "fraction_of_gemv": median(gbs) / w.ceilings["gemv_gbs"]["max"],
             }
         row["ratio_over_mlx_lm"] = _ratios(row, "ms_per_step", higher_is_better=False)
         rows.append(row)
     return rows
 
 
-def check_agreement(impls, rng, model) -> dict[str, Any]:
+def check_agreement(impls: dict[str, Any], w: Workload) -> dict[str, Any]:
     """Every model on the same 16 tokens: with the same weights the last logits must match
     mlx-lm's (this is also everyone's first, compiling, call)."""
-    tokens = random_tokens(rng, model, (1, 16))
+    tokens = random_tokens(w.rng, w.model, (1, 16))
     outs = {name: impl.prefill(tokens)[0].astype(mx.float32) for name, impl in impls.items()}
     base = outs[MLX_LM]
     report: dict[str, Any] = {"max_abs_logit_mlx_lm": mx.max(mx.abs(base)).item()}

@@ -142,16 +142,13 @@ def serve(
     Returns {"metrics": scalar numbers, "raw": per-step and per-request times in seconds}.
     """
     rec = BatchRecorder(clock)
-    api.batch_generate(
-        model,
-        NoTextTokenizer(),
-        trace.prompts,
-        max_seq_len=trace.max_seq_len,
-        on_step=rec.on_step,
-        max_new_tokens=trace.output_budgets,
-        ignore_eos=True,
-        **options,
-    )
+    fixed = {  # every request generates exactly its budget
+        "max_seq_len": trace.max_seq_len,
+        "max_new_tokens": trace.output_budgets,
+        "ignore_eos": True,
+        "on_step": rec.on_step,
+    }
+    api.batch_generate(model, NoTextTokenizer(), trace.prompts, **fixed, **options)
     rec.stop()
     n = len(trace.prompts)
     generated = [rec.requests[i].generated if i in rec.requests else 0 for i in range(n)]

@@ -28,6 +28,7 @@ __all__ = [
     "model_path",
     "printable",
     "reexec_with_openblas",
+    "script_parser",
     "unfinished_message",
 ]
 
@@ -47,6 +48,17 @@ _ONE_LINE = {**_CONTROLS, ord("\n"): "\u21b5", ord("\t"): " "}
 def printable(text: str, one_line: bool = False) -> str:
     """Model text made safe to print on a terminal."""
     return text.translate(_ONE_LINE if one_line else _CONTROLS)
+
+
+def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser with what every script that runs a model takes: --model, --solution, --device."""
+    p = argparse.ArgumentParser(
+        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--model", default="tiny", help=MODEL_HELP)
+    add_solution_argument(p)
+    p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU if any")
+    return p
 
 
 def add_solution_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
