@@ -39,6 +39,7 @@ from typing import Any
 import mlx.core as mx
 from chunked_prefill_report import plot, summary_table
 from common import (
+    RESULTS,
     BenchModel,
     add_model_arguments,
     bench_model_from_args,
@@ -64,10 +65,8 @@ from tiny_llm_support.cli import (
 )
 
 SCHEMA = "tiny-llm/bench-chunked-prefill/v1"
-RESULTS = Path(__file__).resolve().parent / "results"
 EXIT_UNFINISHED = 3  # a child reached an exercise that is not written yet (it said which)
 
-# The per-run numbers that are aggregated (median over runs) for each budget.
 # The per-run numbers that are aggregated (median over runs) for each budget.
 SCALAR_METRICS = (
     "output_tokens_per_s",
@@ -84,6 +83,7 @@ SCALAR_METRICS = (
     "prefill_chunks",
     "decode_steps",
 )
+
 
 # --- one run: the settings and the child process ------------------------------------------
 
@@ -111,6 +111,7 @@ def child_main(spec_path: str) -> int:
 
 
 def measure_one(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    """The run a spec describes: its result, with what it ran on."""
     t0 = time.perf_counter()
     device = choose_device(args.device)
     api = load_solution(args.solution)

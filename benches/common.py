@@ -42,7 +42,10 @@ from tiny_llm_support import (
 )
 from tiny_llm_support.cli import DEVICES, DTYPES, add_solution_argument, int_at_least
 
+RESULTS = Path(__file__).resolve().parent / "results"  # where the benchmarks write JSON
+
 __all__ = [
+    "RESULTS",
     "EMBEDDED_CONFIGS",
     "BenchModel",
     "resolve_bench_model",

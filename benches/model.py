@@ -62,6 +62,7 @@ from pathlib import Path
 
 from ceilings import measure_ceilings
 from common import (
+    RESULTS,
     add_model_arguments,
     bench_model_from_args,
     blas_info,
@@ -85,9 +86,6 @@ from tiny_llm_support.cli import (
     reexec_with_openblas,
     unfinished_message,
 )
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
 
 # --- command line ------------------------------------------------------------------------
 
