@@ -192,5 +192,73 @@ def test_forward_pass_must_not_go_back():
     run = Run()
     a = FakeRequest(0, 8)
     run.at(1.0, "prefill", a, [None], 4, 2)
-    with pytest.raises(StepError, match="forward_pass 1 after 2"):
+    with pytest.raises(StepError, match="forward_pass 1 after pass 2"):
         run.at(2.0, "prefill", a, [None], 4, 1)
+
+
+def test_scheduling_events_before_the_first_pass_and_preemption():
+    """admit carries the number of the last pass (0 before any); a preempted request starts
+    its prefill over with the tokens it had generated, and keeps them."""
+    run = Run()
+    a = FakeRequest(0, 6)
+    run.at(0.5, "admit", a, [None], 0, 0)
+    a.generated = [1]
+    run.at(1.0, "prefill", a, [None], 6, 1)
+    a.generated = [1, 2]
+    run.at(2.0, "decode", None, [a], 1, 2)
+    run.at(2.5, "preempt", a, [None], 0, 2)
+    record = run.rec.requests[0]
+    assert (record.admitted, record.preemptions, record.to_prefill, record.prefilled) == (
+        0.5,
+        1,
+        7,  # the prompt and every generated token but the last
+        0,
+    )
+    run.at(3.0, "admit", a, [None], 0, 2)
+    run.at(4.0, "prefill", a, [None], 4, 3)
+    run.at(5.0, "prefill", a, [None], 3, 4)
+    assert (record.chunks, record.prefilled, record.generated) == ([6, 4, 3], 7, 2)
+    assert [p.number for p in run.rec.passes] == [1, 2, 3, 4]
+    assert run.rec.passes[2].start == 3.0  # after the admit that ended the previous pass
+
+
+def test_a_refused_request_is_over_without_a_token():
+    run = Run()
+    run.at(0.1, "refuse", FakeRequest(3, 500), [None], 0, 0)
+    record = run.rec.requests[3]
+    assert (record.stop, record.finished, record.generated, run.rec.passes) == (
+        "refused",
+        pytest.approx(0.1),
+        0,
+        [],
+    )
+
+
+@pytest.mark.parametrize("policy", ["alternate", "hybrid"])
+def test_the_reference_scheduler_with_a_small_page_pool(tiny_gqa_ckpt, policy):
+    """Real events (admissions, waits, preemptions, passes of both kinds) add up: every
+    token is counted once, every pass has a duration, every prompt token was prefilled."""
+    import tiny_llm_ref
+
+    model = tiny_llm_ref.Qwen3Model(tiny_gqa_ckpt)
+    prompts = [list(range(5, 5 + n)) for n in (10, 12, 9, 14, 11, 8)]
+    pools = model.create_kv_pools(page_size=4, max_pages=8)
+    rec = BatchRecorder()
+    tiny_llm_ref.batch_generate(
+        model, tiny_gqa_ckpt.tokenizer, prompts, 64, 4, 8, pools=pools, on_step=rec.on_step,
+        max_new_tokens=12, ignore_eos=True, policy=policy,
+    )  # fmt: skip
+    rec.stop()
+    records = [rec.requests[i] for i in range(len(prompts))]
+    assert [r.generated for r in records] == [12] * len(prompts)
+    assert sum(r.preemptions for r in records) > 0, "8 pages must force a preemption"
+    assert rec.decode_tokens() == rec.output_tokens() - len(prompts)
+    for r, prompt in zip(records, prompts):
+        assert r.prefilled == r.to_prefill and sum(r.chunks) >= len(prompt)
+        assert r.admitted <= r.ttft <= r.finished <= rec.wall
+    assert [p.number for p in rec.passes] == list(range(1, len(rec.passes) + 1))
+    assert all(p.duration >= 0 for p in rec.passes)
+    gaps = rec.decode_gaps()
+    assert 0 < len(gaps) < len(rec.decode_passes())
+    if policy == "hybrid":
+        assert any(p.chunks and p.decode_rows for p in rec.passes), "chunks and decode in a pass"

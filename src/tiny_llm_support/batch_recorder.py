@@ -9,6 +9,9 @@ decode gaps of the chunked-prefill chapter (week3-02): the wall-clock time betwe
 consecutive decode completions while at least one request keeps a decode slot, prefill work in
 between included, stretches with nobody decoding left out.
 
+"prefill", "decode" and "finish" report work; "admit", "wait", "preempt" and "refuse" (a
+bounded page pool, Week 3 Day 6) report scheduling and carry the number of the last pass.
+
 The demo (batch-main.py) and the chunked-prefill benchmark both measure through this module.
 Time inside `paused()` (drawing a view) is left out of every number.
 """
@@ -23,7 +26,8 @@ from typing import Any
 
 __all__ = ["BatchRecorder", "DecodeGap", "PassRecord", "RequestRecord", "StepError"]
 
-KINDS = ("prefill", "decode", "finish")
+WORK = ("prefill", "decode", "finish")  # what a model call did
+KINDS = (*WORK, "admit", "wait", "preempt", "refuse")
 
 
 class StepError(ValueError):
@@ -52,15 +56,22 @@ class RequestRecord:
 
     idx: int
     prompt_tokens: int
-    admitted: float  # when the pass of its first chunk began
+    admitted: float  # when it was admitted (or the pass of its first chunk began)
     chunks: list[int] = field(default_factory=list)  # tokens of each prefill chunk, in order
     token_times: list[float] = field(default_factory=list)  # the end of the pass of each token
     finished: float | None = None
-    stop: str = ""  # "eos" or "length" once finished
+    stop: str = ""  # "eos", "length" or "refused" once it is over
+    preemptions: int = 0
+    to_prefill: int = 0  # tokens its current prefill must put in the cache
+    restart: int = 0  # chunks before its current prefill (which began at its last preemption)
+
+    def __post_init__(self) -> None:
+        self.to_prefill = self.to_prefill or self.prompt_tokens
 
     @property
     def prefilled(self) -> int:
-        return sum(self.chunks)
+        """Tokens its current prefill has put in the cache so far."""
+        return sum(self.chunks[self.restart :])
 
     @property
     def ttft(self) -> float | None:
@@ -120,49 +131,61 @@ class BatchRecorder:
         return self.wall
 
     def on_step(self, step: Any) -> None:
+        """Record one event (pass this method to batch_generate as on_step)."""
         t = self.now()
         this = self._pass_of(step, t)
         self.last_event = t
-        if step.kind == "prefill":
-            record = self.requests.get(step.request.prompt_idx)
-            if record is None:
-                record = RequestRecord(
-                    step.request.prompt_idx, len(step.request.prompt_tokens), this.start
-                )
-                self.requests[record.idx] = record
-            record.chunks.append(step.tokens)
-            this.chunks.append((record.idx, step.tokens))
-            self._new_tokens(step.request, this)
-        elif step.kind == "decode":
+        if step.kind == "decode":
             this.decode_rows += step.tokens
             this.decoding_after = any(r is not None for r in step.slots)
             for request in step.slots:
                 if request is not None:
                     self._new_tokens(request, this)
-        else:  # finish
-            record = self._new_tokens(step.request, this)
+            return
+        record = self.requests.get(step.request.prompt_idx)
+        if record is None:
+            admitted = this.start if step.kind == "prefill" else t
+            record = RequestRecord(
+                step.request.prompt_idx, len(step.request.prompt_tokens), admitted
+            )
+            self.requests[record.idx] = record
+        if step.kind == "prefill":
+            record.chunks.append(step.tokens)
+            this.chunks.append((record.idx, step.tokens))
+            self._new_tokens(step.request, this)
+        elif step.kind == "finish":
+            self._new_tokens(step.request, this)
             record.finished = this.end
             last = step.request.generated[-1] if step.request.generated else None
             record.stop = "eos" if last in step.request.eos_token_ids else "length"
+        elif step.kind == "preempt":  # its cache is gone; the generated tokens are kept
+            record.preemptions += 1
+            record.restart = len(record.chunks)
+            record.to_prefill = record.prompt_tokens + max(0, len(step.request.generated) - 1)
+        elif step.kind == "refuse":
+            record.finished, record.stop = t, "refused"
 
-    def _pass_of(self, step: Any, t: float) -> PassRecord:
-        """The pass of this event: the current one, or a new one that ended at `t`."""
+    def _pass_of(self, step: Any, t: float) -> PassRecord | None:
+        """The pass of this event: the current one, a new one that ended at `t`, or None for
+        scheduling before the first pass."""
         if step.kind not in KINDS:
             raise StepError(f"BatchStep kind {step.kind!r} is not one of {', '.join(KINDS)}")
-        if step.kind != "finish" and step.tokens < 1:
+        work = step.kind in WORK
+        if step.kind in ("prefill", "decode") and step.tokens < 1:
             raise StepError(
                 f"a {step.kind!r} BatchStep reports tokens={step.tokens}: it must give the rows "
                 "the event ran (the chunk's length, or the decode rows)"
             )
         current = self.passes[-1].number if self.passes else 0
-        if step.forward_pass < max(current, 1):
+        if step.forward_pass < current or (work and step.forward_pass < 1):
             raise StepError(
-                f"BatchStep forward_pass {step.forward_pass} after {current}: batch_generate "
-                "must number its model calls 1, 2, 3, ... (events of one call share it)"
+                f"a {step.kind!r} BatchStep with forward_pass {step.forward_pass} after pass "
+                f"{current}: batch_generate must number its model calls 1, 2, 3, ... (the events "
+                "of one call share its number)"
             )
         if step.forward_pass > current:
             self.passes.append(PassRecord(step.forward_pass, self.last_event, t))
-        return self.passes[-1]
+        return self.passes[-1] if self.passes else None
 
     def _new_tokens(self, request: Any, this: PassRecord) -> RequestRecord:
         """Time-stamp the tokens of `request` not seen before with the end of this pass."""

@@ -41,11 +41,23 @@ def pass_text(p: PassRecord) -> str:
     return f"pass {p.number}: " + ", ".join(parts)
 
 
-def finish_text(record: RequestRecord) -> str:
-    return (
-        f"request {record.idx} finished: {record.generated} tokens ({record.stop}), "
-        f"first token after {record.ttft:.2f} s"
-    )
+def event_text(step: Any, record: RequestRecord) -> str | None:
+    """A line for a request's finish or for a scheduling event worth showing (None: not)."""
+    if step.kind == "finish":
+        return (
+            f"request {record.idx} finished: {record.generated} tokens ({record.stop}), "
+            f"first token after {record.ttft:.2f} s"
+        )
+    if step.kind == "preempt":
+        return (
+            f"request {record.idx} preempted: its pages went back; {record.generated} "
+            f"generated tokens kept, {record.to_prefill} to prefill again"
+        )
+    if step.kind == "wait":
+        return f"request {record.idx} waits for free pages"
+    if step.kind == "refuse":
+        return f"request {record.idx} refused: {getattr(step, 'detail', '')}"
+    return None
 
 
 class PlainView:
@@ -61,21 +73,25 @@ class PlainView:
         pass
 
     def show(self, step: Any, rec: BatchRecorder) -> None:
-        t = rec.passes[-1].end
+        t = rec.passes[-1].end if rec.passes else 0.0
         if step.kind == "prefill":
             r = rec.requests[step.request.prompt_idx]
-            line = f"prefill req {r.idx:>2}  {chunk_text(r)}  {r.prefilled}/{r.prompt_tokens}"
+            line = f"prefill req {r.idx:>2}  {chunk_text(r)}  {r.prefilled}/{r.to_prefill}"
             if step.request.is_prefill_done:
-                line += "  -> first token"
+                line += "  -> first token" if r.ttft == t else "  -> decoding again"
         elif step.kind == "finish":
             r = rec.requests[step.request.prompt_idx]
             line = f"finish  req {r.idx:>2}  {r.generated} tokens ({r.stop})"
-        elif len(rec.decode_passes()) % self.every == 0:
+        elif step.kind == "decode":
+            steps = len(rec.decode_passes())
+            if steps % self.every:
+                return
             where = " ".join(f"{r.prompt_idx}@{r.offset}" for r in step.slots if r is not None)
-            steps, rows = len(rec.decode_passes()), rec.passes[-1].decode_rows
-            line = f"decode  step {steps:>4}  {rows} rows  [req@position] {where}"
+            line = f"decode  step {steps:>4}  {rec.passes[-1].decode_rows} rows  [req@position] {where}"
         else:
-            return
+            line = event_text(step, rec.requests[step.request.prompt_idx])
+            if line is None:
+                return
         print(f"{t:8.3f}s {line}", flush=True)
 
 
@@ -108,9 +124,10 @@ class LiveView:
             if step.request.prompt_idx not in self.prefills:  # a new prompt: drop finished ones
                 self.prefills = {i: r for i, r in self.prefills.items() if not r.is_prefill_done}
             self.prefills[step.request.prompt_idx] = step.request
-        elif step.kind == "finish":
-            self.done += 1
-            self.recent.append(finish_text(rec.requests[step.request.prompt_idx]))
+        elif step.kind != "decode":
+            self.done += step.kind in ("finish", "refuse")
+            line = event_text(step, rec.requests[step.request.prompt_idx])
+            self.recent.extend([line] if line else [])
         if time.perf_counter() - self.last_draw >= FRAME_INTERVAL_S or self.done == self.total:
             self.live.update(self.render(rec), refresh=True)
             self.last_draw = time.perf_counter()
@@ -143,8 +160,8 @@ class LiveView:
             prefill.add_row(
                 Text(f"prefill request {r.idx}", style="bold cyan"),
                 Text(chunk_text(r)),
-                ProgressBar(total=r.prompt_tokens, completed=r.prefilled, width=30),
-                Text(f"{r.prefilled}/{r.prompt_tokens} tokens, {state}"),
+                ProgressBar(total=r.to_prefill, completed=r.prefilled, width=30),
+                Text(f"{r.prefilled}/{r.to_prefill} tokens, {state}"),
             )
         slots = Table(box=None, pad_edge=False, expand=False, header_style="bold")
         for name in ("slot", "request", "position", "tokens"):
