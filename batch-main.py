@@ -18,16 +18,11 @@ import argparse
 import os
 import sys
 
-from tiny_llm_support import (
-    ModelNotAvailableError,
-    blas_info,
-    choose_device,
-    cli,
-    load_checkpoint,
-)
+from tiny_llm_support import ModelNotAvailableError, blas_info, choose_device, cli, load_checkpoint
 from tiny_llm_support import batch_views as views
 from tiny_llm_support.batch_recorder import BatchRecorder, StepError
 from tiny_llm_support.demo_prompts import DEMO_PROMPTS, MIN_ANSWER_TOKENS, prepare_prompts
+from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
 
 class UsageError(Exception):
@@ -92,6 +87,9 @@ def run(args: argparse.Namespace) -> int:
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.tp > 1 and not in_ranks():
+        return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
+    group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
     try:
         ckpt = load_checkpoint(path, dtype=dtype)
     except (ValueError, OSError) as e:  # a missing, mis-shaped or pickle-only checkpoint
@@ -146,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
     )
     try:
         model = package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len)
+        if group is not None:
+            model.shard(group)
+            out(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
         rec = BatchRecorder()  # the requests arrive once the model is built
 
         def on_step(step) -> None:

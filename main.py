@@ -17,6 +17,7 @@ import sys
 import time
 
 from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_checkpoint
+from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -29,16 +30,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     args = p.parse_args(argv)
+    if args.tp > 1 and args.temperature > 0 and args.seed is None:
+        p.error("--tp with --temperature > 0 needs --seed: every rank must sample the same token")
     if args.top_p is not None and not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
     return args
 
 
-def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int):
+def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, group=None):
     """(name of the loop, token iterator): the cached loop if it is written, else Week 1's."""
     eos = ckpt.tokenizer.eos_token_ids
     try:
         model = package.Qwen3Model(ckpt)
+        if group is not None:
+            model.shard(group)  # tensor parallelism: Week 4 Day 2
         stream = package.simple_generate_with_kv_cache(
             model, prompt_tokens, max_tokens, sampler, eos
         )
@@ -47,6 +52,8 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int):
             [] if first is None else [first], stream
         )
     except NotImplementedError:
+        if group is not None:
+            raise  # Week 1's loop has no sharded model
         model = package.Qwen3ModelWeek1(ckpt)
         loop = package.simple_generate(model, prompt_tokens, max_tokens, sampler, eos)
         return "Qwen3ModelWeek1 + simple_generate (no KV cache yet)", loop
@@ -58,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
         device = choose_device(args.device)
         dtype = cli.default_dtype(device)
         path = cli.model_path(args.model)
+        if args.tp > 1 and not in_ranks():
+            return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
+        group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
         ckpt = load_checkpoint(path, dtype=dtype)
         if ckpt.tokenizer is None:
             raise ValueError(f"{path} has no tokenizer.json")
@@ -79,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         sampler = package.make_sampler(args.temperature, args.top_k, args.top_p, args.seed)
-        loop, stream = start(package, ckpt, prompt_tokens, sampler, args.max_tokens)
+        loop, stream = start(package, ckpt, prompt_tokens, sampler, args.max_tokens, group)
         print(f"loop: {loop}; prompt: {len(prompt_tokens)} tokens\n")
         detok, n, t_first, stop = tokenizer.detokenizer(), 0, None, "max tokens"
         for token in stream:

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
-import math
 import os
 import platform
 import statistics
@@ -41,70 +39,25 @@ import time
 from pathlib import Path
 
 import mlx.core as mx
+from ceilings import timed
+from common import EMBEDDED_CONFIGS, BenchModel, resolve_bench_model
 
-from tiny_llm_support import Checkpoint, Qwen3Config, blas_info, expected_shapes
+from tiny_llm_support import Qwen3Config, blas_info
+from tiny_llm_support.cli import DTYPES, add_solution_argument, int_at_least, load_solution
 from tiny_llm_support.launch import launch
 
-SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-# The published shape of Qwen3-0.6B (its config.json), used with random weights.
-SHAPES = {
-    "qwen3-0.6b": {
-        "model_type": "qwen3",
-        "vocab_size": 151936,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000,
-        "max_position_embeddings": 40960,
-        "tie_word_embeddings": True,
-    }
-}
-FIRST_CONTROL_ID = 151643  # ids from here up are Qwen3's control tokens: prompts avoid them
 ALL_SUM_REPEATS = 20
 
 
 # --- the model -----------------------------------------------------------------------------
 
 
-def model_config(args: argparse.Namespace) -> Qwen3Config:
-    shape = dict(SHAPES[args.model])
-    if args.num_layers is not None:
-        shape["num_hidden_layers"] = args.num_layers
-    return Qwen3Config.from_dict(shape, source=args.model)
-
-
-def random_checkpoint(config: Qwen3Config, dtype: mx.Dtype, seed: int = 0) -> Checkpoint:
-    """Uniform random weights of every tensor the config calls for, the same on every rank:
-    projections with std 1/sqrt(fan_in), embeddings std 1, norms 1 (activations stay at unit
-    scale through any number of layers)."""
-    key, weights = mx.random.key(seed), {}
-    for name, shape in expected_shapes(config).items():
-        if name == "lm_head.weight" and config.tie_word_embeddings:
-            weights[name] = weights["model.embed_tokens.weight"]
-            continue
-        if name.endswith("norm.weight"):
-            weights[name] = mx.ones(shape, dtype=dtype)
-            continue
-        key, sub = mx.random.split(key)
-        std = 1.0 if name == "model.embed_tokens.weight" else 1.0 / math.sqrt(shape[-1])
-        bound = std * math.sqrt(3.0)  # U(-b, b) has std b / sqrt(3)
-        weights[name] = mx.random.uniform(-bound, bound, shape, dtype=dtype, key=sub)
-        mx.eval(weights[name])  # one tensor at a time keeps the peak low
-    return Checkpoint(Path(f"random-{config.num_hidden_layers}-layers"), config, weights)
+def bench_model(args: argparse.Namespace) -> BenchModel:
+    """The model's shape (an embedded config: no download), random weights, --num-layers."""
+    return resolve_bench_model(args.model, random=True, num_layers=args.num_layers)
 
 
 # --- one rank ------------------------------------------------------------------------------
-
-
-def timed(fn) -> float:
-    start = time.perf_counter()
-    mx.eval(fn())
-    return time.perf_counter() - start
 
 
 def median_ms(times: list[float]) -> float:
@@ -152,11 +105,11 @@ def worker(args: argparse.Namespace) -> int:
     """One rank's measurements, written to --out-dir/rank<r>.json."""
     group = mx.distributed.init(strict=True, backend="ring") if args.worker_ranks > 1 else None
     rank = group.rank() if group is not None else 0
-    api = importlib.import_module(SOLUTIONS[args.solution])
-    dtype = DTYPES[args.dtype]
-    config = model_config(args)
+    api = load_solution(args.solution)
+    shape = bench_model(args)
+    config = shape.qwen3_config
     max_seq_len = max(args.prefill_len, args.context + args.decode_steps + 2)
-    ckpt = random_checkpoint(config, dtype)
+    ckpt = shape.load(args.dtype)  # the same random weights on every rank
     model = api.Qwen3Model(ckpt, max_seq_len=max_seq_len)
     if group is not None:
         model.shard(group)
@@ -166,9 +119,10 @@ def worker(args: argparse.Namespace) -> int:
     weights_bytes = mx.get_active_memory()  # what this rank holds: its share and the replicas
     mx.reset_peak_memory()
 
-    ids = mx.random.randint(0, FIRST_CONTROL_ID, (1, args.prefill_len), key=mx.random.key(1))
+    high = shape.token_ids[1]  # Qwen3's control tokens start here: prompts avoid them
+    ids = mx.random.randint(0, high, (1, args.prefill_len), key=mx.random.key(1))
     prefill = measure_prefill(model, args, ids)
-    context = mx.random.randint(0, FIRST_CONTROL_ID, (1, args.context), key=mx.random.key(2))
+    context = mx.random.randint(0, high, (1, args.context), key=mx.random.key(2))
     decode, kv_bytes = measure_decode(model, args, context)
     result = {
         "rank": rank,
@@ -183,6 +137,7 @@ def worker(args: argparse.Namespace) -> int:
     }
     if group is not None:
         e = config.hidden_size
+        dtype = DTYPES[args.dtype]
         result["all_sum_ms_decode_message"] = measure_all_sum(group, (1, e), dtype)
         result["all_sum_ms_prefill_message"] = measure_all_sum(group, (args.prefill_len, e), dtype)
     Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(result))
@@ -249,23 +204,19 @@ def machine() -> dict:
     }
 
 
-def positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
+    positive = int_at_least(1)
     p = argparse.ArgumentParser(
         prog="bench-tensor-parallel",
         description="Tensor parallelism on one machine: 1 rank against N ranks.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--model", choices=sorted(SHAPES), default="qwen3-0.6b", help="model shape")
+    p.add_argument(
+        "--model", choices=sorted(EMBEDDED_CONFIGS), default="qwen3-0.6b", help="model shape"
+    )
     p.add_argument("--num-layers", type=positive, default=None, help="keep fewer layers")
     p.add_argument("--ranks", type=positive, nargs="+", default=[1, 2])
-    p.add_argument("--solution", choices=sorted(SOLUTIONS), default="ref")
+    add_solution_argument(p)
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
     p.add_argument("--prefill-len", type=positive, default=512)
     p.add_argument("--context", type=positive, default=512, help="tokens cached before decode")
@@ -282,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.worker_ranks is not None:
         return worker(args)
-    config = model_config(args)
+    config = bench_model(args).qwen3_config
     for ranks in args.ranks:
         for size, what in [
             (config.num_attention_heads, "num_attention_heads"),
@@ -324,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tiny_llm_support import reexec_with_openblas
+    from tiny_llm_support.cli import reexec_with_openblas
 
     reexec_with_openblas()  # the ranks inherit the preloaded OpenBLAS
     sys.exit(main())

@@ -1,10 +1,13 @@
 """What the Week 3+ day tests share: prompts of an exact token count, spies on the model, the
-tokenizer and the caches, a log of on_step events, and the fault the tests inject.
+tokenizer and the caches, a log of on_step events, and the fault the tests inject. And for the
+tests that run the demo scripts: an environment with no network and nothing of the user's.
 
     from helpers import Injected, ModelSpy, prompt_with_tokens, ...
 """
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -220,3 +223,19 @@ def assert_nothing_allocated(pools, why: str) -> None:
 def assert_pools_used(pools) -> None:
     handed_out = [pool.num_allocations for pool in pools]
     assert all(handed_out), f"some pools were never used (pages handed out: {handed_out})"
+
+
+def offline_env(tmp_path: Path, **extra: str) -> dict:
+    """os.environ for a demo run under tmp_path: no network, no user cache, no terminal, and no
+    re-exec with OpenBLAS (the tiny model needs no fast BLAS)."""
+    env = dict(os.environ)
+    env.update(
+        HOME=str(tmp_path / "home"),
+        TINY_LLM_CACHE=str(tmp_path / "cache"),
+        HF_HOME=str(tmp_path / "hf"),
+        HF_HUB_OFFLINE="1",
+        TERM="dumb",
+        TINY_LLM_NO_OPENBLAS="1",
+        **extra,
+    )
+    return env

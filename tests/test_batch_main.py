@@ -6,7 +6,6 @@ untouched skeleton. They need no network: the tiny checkpoint is made under tmp_
 
 import importlib.util
 import math
-import os
 import re
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
+from helpers import offline_env
 
 from tiny_llm_support import SHORTCUTS, make_tiny_checkpoint
 
@@ -35,20 +35,6 @@ def demo():
         yield module
     finally:
         sys.modules.pop("batch_main", None)
-
-
-def offline_env(tmp_path: Path, **extra: str) -> dict:
-    env = dict(os.environ)
-    env.update(
-        HOME=str(tmp_path / "home"),
-        TINY_LLM_CACHE=str(tmp_path / "cache"),
-        HF_HOME=str(tmp_path / "hf"),
-        HF_HUB_OFFLINE="1",
-        TERM="dumb",
-        TINY_LLM_NO_OPENBLAS="1",  # skip the re-exec with OpenBLAS: the tiny model needs no BLAS
-        **extra,
-    )
-    return env
 
 
 def run_demo(tmp_path: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import offline_env
 
 from tiny_llm_support import make_tiny_checkpoint
 from tiny_llm_support.launch import launch_command
@@ -27,15 +28,7 @@ pytestmark = pytest.mark.skipif(
 
 
 def run(tmp_path: Path, script: str, *args: str) -> str:
-    env = dict(os.environ)
-    env.update(
-        HOME=str(tmp_path / "home"),
-        TINY_LLM_CACHE=str(tmp_path / "cache"),
-        HF_HOME=str(tmp_path / "hf"),
-        HF_HUB_OFFLINE="1",
-        TERM="dumb",
-        TINY_LLM_NO_OPENBLAS="1",
-    )
+    env = offline_env(tmp_path)
     result = subprocess.run(
         [sys.executable, str(ROOT / script), *args],
         cwd=ROOT,

@@ -51,13 +51,18 @@ def printable(text: str, one_line: bool = False) -> str:
 
 
 def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser with what every script that runs a model takes: --model, --solution, --device."""
+    """A parser with what the demo scripts take: --model, --solution, --device, and --tp with
+    --hostfile (tensor-parallel ranks, Week 4 Day 2)."""
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     add_solution_argument(p)
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU if any")
+    p.add_argument(
+        "--tp", type=int_at_least(1), default=1, help="tensor-parallel ranks (mlx.launch)"
+    )
+    p.add_argument("--hostfile", help="with --tp: an mlx.launch hostfile (several machines)")
     return p
 
 
