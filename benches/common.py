@@ -4,7 +4,9 @@
   or a config.json path into a `BenchModel`; shortcuts with an embedded config need no
   download, since their weights can be random (same shapes, so the same FLOPs and bytes moved).
   `BenchModel.materialize(dir)` writes a random-weight checkpoint once, so that every fresh
-  benchmark process only loads it; `BenchModel.load(dtype)` builds the `Checkpoint`.
+  benchmark process only loads it; `BenchModel.load(dtype)` builds the `Checkpoint`. Random
+  weights come from tiny_llm_support.random_weights, the generator of the tiny checkpoints.
+  `add_model_arguments` and `bench_model_from_args` are the command line's "model" group.
 - The machine: `host_info()`, `mlx_info()`, `blas_info()`, `openblas_preload_env()`.
 - Numbers: `percentile`, `summarize`, `median`.
 - Output: `write_json` (creates the folder, stable formatting), `log` (progress, to stderr).
