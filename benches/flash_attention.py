@@ -37,22 +37,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # `common` sits beside this file
-    sys.path.insert(0, str(HERE))
+import mlx.core as mx
+from common import RESULTS, host_info, log, mlx_info, resolve_bench_model, write_json
 
-import mlx.core as mx  # noqa: E402
-from common import host_info, int_at_least, mlx_info, resolve_bench_model, write_json  # noqa: E402
-
-from tiny_llm_support import blas_info, choose_device, mlx_lm_qwen3, reexec_with_openblas  # noqa: E402
+from tiny_llm_support import blas_info, choose_device, mlx_lm_qwen3, reexec_with_openblas
+from tiny_llm_support.cli import DTYPES, int_at_least
 
 SCHEMA = "tiny-llm/bench-flash-attention/v1"
 H_Q, H_KV, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
-DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
-
-
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
 
 
 # --- measuring -------------------------------------------------------------------------------
@@ -441,7 +433,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip", choices=("attention", "decode"), default=None)
     p.add_argument("--warmup", type=int_at_least(0), default=2)
     p.add_argument("--repeats", type=int_at_least(1), default=7)
-    p.add_argument("--json-output", type=Path, default=HERE / "results" / "flash-attention.json")
+    p.add_argument("--json-output", type=Path, default=RESULTS / "flash-attention.json")
     p.add_argument("--plot-output", type=Path, default=None, help="default: the JSON with .png")
     p.add_argument("--no-plot", action="store_true")
     return p

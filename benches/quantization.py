@@ -35,15 +35,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-HERE = Path(__file__).resolve().parent
-if str(HERE) not in sys.path:  # `common` sits beside this file
-    sys.path.insert(0, str(HERE))
+import mlx.core as mx
+from common import RESULTS, host_info, mlx_info, resolve_bench_model, write_json
 
-import mlx.core as mx  # noqa: E402
-from common import host_info, int_at_least, mlx_info, resolve_bench_model, write_json  # noqa: E402
-
-import tiny_llm_ref as ref  # noqa: E402
-from tiny_llm_support import (  # noqa: E402
+import tiny_llm_ref as ref
+from tiny_llm_support import (
     Checkpoint,
     blas_info,
     choose_device,
@@ -52,6 +48,7 @@ from tiny_llm_support import (  # noqa: E402
     quantize_checkpoint,
     reexec_with_openblas,
 )
+from tiny_llm_support.cli import int_at_least
 
 SCHEMA = "tiny-llm/bench-quantization/v1"
 GROUP_SIZE = 64
@@ -302,7 +299,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             report["agreement"] = agreement_part(args, Path(tmp))
     report["wall_s"] = time.perf_counter() - started
     slug = f"{args.model}-{bench_model.num_layers}layers-{platform.system().lower()}-{platform.machine()}"
-    output = args.output or HERE / "results" / f"quantization-{slug}.json"
+    output = args.output or RESULTS / f"quantization-{slug}.json"
     write_json(output, report)
     print(f"wrote {output} ({report['wall_s']:.0f} s)")
     return 0

@@ -1,11 +1,14 @@
 """What the Week 3+ day tests share: prompts of an exact token count, spies on the model, the
 tokenizer and the caches, a log of on_step events, and the fault the tests inject. And for the
-tests that run the demo scripts: an environment with no network and nothing of the user's.
+tests of the demo scripts and the benchmarks: an environment with no network and nothing of the
+user's, and a benchmark module loaded by its path.
 
     from helpers import Injected, ModelSpy, prompt_with_tokens, ...
 """
 
+import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -239,3 +242,18 @@ def offline_env(tmp_path: Path, **extra: str) -> dict:
         **extra,
     )
     return env
+
+
+BENCHES = Path(__file__).resolve().parent.parent / "benches"
+
+
+def load_bench(name: str):
+    """The module benches/<name>.py. The benches are scripts that import their siblings by name
+    (their folder is first on sys.path when they run); here each module is loaded by its path
+    and registered under its name, so load a module's siblings before it."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]

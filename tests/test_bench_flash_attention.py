@@ -4,15 +4,13 @@ The reference solution, tiny sizes, the tiny synthetic checkpoint for the decode
 """
 
 import json
-import sys
-from pathlib import Path
+
+from helpers import load_bench
 
 from tiny_llm_support import make_tiny_checkpoint
 
-BENCHES = Path(__file__).resolve().parent.parent / "benches"
-sys.path.insert(0, str(BENCHES))
-
-import flash_attention as bench  # noqa: E402
+load_bench("common")
+bench = load_bench("flash_attention")
 
 
 def test_bench_writes_every_method_and_the_goals(tmp_path):

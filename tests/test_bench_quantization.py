@@ -6,14 +6,13 @@ for the relations that must hold whatever the machine.
 """
 
 import json
-import sys
-from pathlib import Path
+
+from helpers import load_bench
 
 from tiny_llm_support import make_tiny_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benches"))
-
-import quantization  # noqa: E402
+load_bench("common")
+quantization = load_bench("quantization")
 
 
 def test_bench_quantization_smoke(tmp_path):

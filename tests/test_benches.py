@@ -3,7 +3,6 @@
 They use the reference solution and the tiny synthetic checkpoint, and take a few seconds.
 """
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -13,26 +12,14 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from helpers import BENCHES, load_bench
 
 import tiny_llm_ref
 from tiny_llm_support import load_checkpoint, make_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-BENCHES = ROOT / "benches"
 COMMITTED = BENCHES / "results" / "chunked-prefill-qwen3-0.6b-12layers-linux-x86_64-2cpu.json"
 TASK = re.compile(r"Week \d+ Day \d+, Task \d+: ")
-
-
-def load_bench(name: str):
-    """A module of benches/ by its path. The benches are scripts that import their siblings by
-    name (their folder is first on sys.path when they run), so each is registered under its
-    own name; load a module's siblings before it."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
 
 
 common = load_bench("common")
