@@ -2,14 +2,12 @@
 
     pdm run batch-main [--model tiny|qwen3-0.6b|PATH] [--solution ref|tiny_llm] ...
 
-The default model, `tiny`, is a synthetic checkpoint with random weights, made on first use
-and needing no network: the scheduling is real, the text it writes is meaningless. Shortcut
-names such as `qwen3-0.6b` are fetched by huggingface-hub into its cache. On a terminal the
-decode slots and the prefill in progress are drawn with rich; otherwise one line is printed
-per prefill chunk, per finished request and per `--log-every` decode steps. At the end come
-the answers and the measurements (time to first token, decode tokens/s, longest decode gap).
-The views live in tiny_llm_support.batch_views, the measurements in
-tiny_llm_support.batch_recorder, the prompts in tiny_llm_support.demo_prompts.
+The default model, `tiny`, is a small chat model trained in the project and shipped in the
+package (no network); `tiny-random` has random weights. Shortcuts such as `qwen3-0.6b` are
+fetched into the Hugging Face cache. On a terminal the slots and prefills are drawn live with
+rich; otherwise a line is printed per prefill chunk, per finished request and per `--log-every`
+decode steps. Then come the answers and the measurements. Views: tiny_llm_support.batch_views;
+measurements: tiny_llm_support.batch_recorder; prompts: tiny_llm_support.demo_prompts.
 """
 
 from __future__ import annotations
@@ -112,10 +110,14 @@ def run(args: argparse.Namespace) -> int:
         f"model: {args.model} ({path}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads"
     )
-    if args.model == "tiny":
+    if args.model == "tiny-random":
         out(
-            "note: 'tiny' is a synthetic checkpoint with random weights. The batching is real; "
-            "the text it writes is meaningless. Try --model qwen3-0.6b for real answers."
+            "note: 'tiny-random' has random weights. The batching is real; its text is meaningless."
+        )
+    elif args.model == "tiny":
+        out(
+            "note: 'tiny' is a small model trained in the project on the book and the demo's "
+            "questions; it knows little else. Try --model qwen3-0.6b for real answers."
         )
     out(
         f"solution: {package.__name__}   device: {device} {dtype}   batch size {args.batch_size}"
@@ -178,8 +180,8 @@ def run(args: argparse.Namespace) -> int:
         out, [p.label() for p in chosen.prompts], answers, console if live else None
     )
     views.print_summary(out, rec, console if live else None)
-    if args.model == "tiny":
-        out("(tiny model: random weights, so the answers above are meaningless by design)")
+    if args.model == "tiny-random":
+        out("(tiny-random: random weights, so the answers above are meaningless by design)")
     return 0
 
 

@@ -6,7 +6,8 @@
 `--solution tiny_llm` runs your code. It uses Week 2's cached loop (Qwen3Model with
 simple_generate_with_kv_cache) once that is written, and Week 1's loop (Qwen3ModelWeek1 with
 simple_generate, which recomputes the whole sequence every step) before that. The `tiny`
-model has random weights: it runs offline and its text is meaningless.
+model is a small chat model trained in the project and shipped in the package: it runs offline
+and knows little beyond the demo's questions. `tiny-random` has random weights.
 """
 
 from __future__ import annotations
@@ -81,9 +82,11 @@ def run(args: argparse.Namespace) -> int:
         text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
     prompt_tokens = tokenizer.encode(text)
     print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
-    if args.model == "tiny":
-        print("note: 'tiny' has random weights, so its text is meaningless; try --model qwen3-0.6b")
-    for hint in [] if args.model == "tiny" else cli.cpu_hints(device, dtype):
+    if args.model == "tiny-random":
+        print("note: 'tiny-random' has random weights, so its text is meaningless")
+    elif args.model == "tiny":
+        print("note: 'tiny' knows little beyond the demo's questions; try --model qwen3-0.6b")
+    for hint in cli.cpu_hints(device, dtype):
         print(hint)
 
     t0 = time.perf_counter()

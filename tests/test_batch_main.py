@@ -66,7 +66,7 @@ def test_tiny_end_to_end_plain_output(tmp_path):
     assert "Traceback" not in result.stderr
     assert not (tmp_path / "cache").exists()  # the trained tiny model ships in the package
     assert "\x1b[" not in out  # not a terminal: no live view, no escape codes
-    assert "meaningless" in out
+    assert "note: 'tiny' is a small model trained in the project" in out
     assert "tiny_llm_ref" in out
     assert re.search(r"^blas: ", out, re.M)
 

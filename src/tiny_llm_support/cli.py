@@ -35,8 +35,9 @@ __all__ = [
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
 DEVICES = ("auto", "cpu", "gpu")
 MODEL_HELP = (
-    "'tiny' (synthetic, offline), a shortcut such as qwen3-0.6b, a Hugging Face repo id "
-    "(org/name) or a local checkpoint directory"
+    "'tiny' (a small chat model trained in the project, shipped), 'tiny-random' (random "
+    "weights), a shortcut such as qwen3-0.6b, a Hugging Face repo id (org/name) or a local "
+    "checkpoint directory"
 )
 
 # A random model writes any byte, escape sequences included: control characters print as
@@ -97,9 +98,10 @@ def model_path(model: str, cache_dir: str | None = None) -> Path:
         first = str(e) if isinstance(e, FileNotFoundError) else f"unknown model {model!r}"
         names = "\n".join(f"  {name:<12} {repo}" for name, repo in SHORTCUTS.items())
         raise ValueError(
-            f"{first}\n\nModel names:\n  {'tiny':<12} synthetic checkpoint, made locally, works "
-            f"offline (its text is meaningless)\n{names}\nor a Hugging Face repo id (org/name), "
-            "or a directory with config.json, *.safetensors and tokenizer.json."
+            f"{first}\n\nModel names:\n  {'tiny':<12} a small chat model trained in the project, "
+            f"shipped, offline\n  {'tiny-random':<12} random weights, made locally, offline (its "
+            f"text is meaningless)\n{names}\nor a Hugging Face repo id (org/name), or a directory "
+            "with config.json, *.safetensors and tokenizer.json."
         ) from e
 
 
