@@ -6,8 +6,9 @@ The default model, `tiny`, is a small chat model trained in the project and ship
 package (no network); `tiny-random` has random weights. Shortcuts such as `qwen3-0.6b` are
 fetched into the Hugging Face cache. On a terminal the slots and prefills are drawn live with
 rich; otherwise a line is printed per prefill chunk, per finished request and per `--log-every`
-decode steps. Then come the answers and the measurements. Views: tiny_llm_support.batch_views;
-measurements: tiny_llm_support.batch_recorder; prompts: tiny_llm_support.demo_prompts.
+decode steps. Then come the answers and the measurements. The scheduler settings of Week 3
+(--compile, --policy, --max-pages, --gather): tiny_llm_support.batch_settings; views:
+batch_views; measurements: batch_recorder; prompts: demo_prompts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,13 @@ import argparse
 import os
 import sys
 
+from tiny_llm_support import startup
+
+startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
 from tiny_llm_support import ModelNotAvailableError, blas_info, choose_device, cli, load_checkpoint
+from tiny_llm_support import batch_settings as settings
 from tiny_llm_support import batch_views as views
 from tiny_llm_support.batch_recorder import BatchRecorder, StepError
 from tiny_llm_support.demo_prompts import DEMO_PROMPTS, MIN_ANSWER_TOKENS, prepare_prompts
@@ -59,11 +66,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--log-every", type=positive, default=16, help="without a terminal: every Nth decode step"
     )
     p.add_argument("--plain", action="store_true", help="line output even on a terminal")
+    settings.add_arguments(p)
     args = p.parse_args(argv)
     if args.max_seq_len <= MIN_ANSWER_TOKENS:
         p.error(f"--max-seq-len must be more than {MIN_ANSWER_TOKENS}")
     if args.num_prompts > len(DEMO_PROMPTS):
         p.error(f"--num-prompts is at most {len(DEMO_PROMPTS)}")
+    problem = settings.check_arguments(args)
+    if problem:
+        p.error(problem)
     return args
 
 
@@ -89,14 +100,16 @@ def run(args: argparse.Namespace) -> int:
         return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
     group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
     try:
-        ckpt = load_checkpoint(path, dtype=dtype)
-    except (ValueError, OSError) as e:  # a missing, mis-shaped or pickle-only checkpoint
-        print(f"error: cannot load {path}: {e}", file=sys.stderr)
+        ckpt = load_checkpoint(path, dtype=dtype)  # CheckpointError names the file and problem
+        if ckpt.tokenizer is None:
+            raise ValueError(f"{path} has no tokenizer.json")
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = ckpt.tokenizer
-    if tokenizer is None:
-        print(f"error: {path} has no tokenizer.json", file=sys.stderr)
-        return 1
+    problem = settings.check_model(args, ckpt.config)
+    if problem:
+        raise UsageError(problem)
     try:
         chosen = prepare_prompts(
             tokenizer, args.seed, args.num_prompts, args.max_seq_len, args.enable_thinking
@@ -110,19 +123,13 @@ def run(args: argparse.Namespace) -> int:
         f"model: {args.model} ({path}): {c.num_hidden_layers} layers, hidden {c.hidden_size}, "
         f"{c.num_attention_heads} query / {c.num_key_value_heads} KV heads"
     )
-    if args.model == "tiny-random":
-        out(
-            "note: 'tiny-random' has random weights. The batching is real; its text is meaningless."
-        )
-    elif args.model == "tiny":
-        out(
-            "note: 'tiny' is a small model trained in the project on the book and the demo's "
-            "questions; it knows little else. Try --model qwen3-0.6b for real answers."
-        )
+    if cli.model_note(args.model):
+        out(cli.model_note(args.model))
     out(
         f"solution: {package.__name__}   device: {device} {dtype}   batch size {args.batch_size}"
         f"   prefill step {args.prefill_step}   max seq len {args.max_seq_len}"
     )
+    out(settings.describe(args))
     shared = sum(1 for p in chosen.prompts if p.context)
     out(
         f"{len(chosen.prompts)} prompts (seed {args.seed}), {shared} sharing the Harrowfield "
@@ -139,16 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
     title = f"batch-main: {args.model} on {package.__name__}, {device} {dtype}"
     n = len(chosen.prompts)
-    view = (
-        views.LiveView(console, title, n, args.batch_size)
-        if live
-        else views.PlainView(args.log_every)
-    )
     try:
-        model = package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len)
+        model = settings.build_model(package, ckpt, args)
         if group is not None:
             model.shard(group)
             out(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
+        pools = settings.make_pools(model, args)
+        view = (
+            views.LiveView(console, title, n, args.batch_size, pools)
+            if live
+            else views.PlainView(args.log_every)
+        )
         rec = BatchRecorder()  # the requests arrive once the model is built
 
         def on_step(step) -> None:
@@ -165,10 +173,12 @@ def run(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 prefill_step=args.prefill_step,
                 on_step=on_step,
+                **settings.batch_keywords(args, pools),
             )
         rec.stop()
     except NotImplementedError as e:
-        print(cli.unfinished_message(args.solution, e), file=sys.stderr)
+        hint = settings.unfinished_hint(args, e)
+        print(cli.unfinished_message(args.solution, e) + hint, file=sys.stderr)
         return 1
     except StepError as e:
         print(f"error: {package.__name__}.batch_generate: {e}", file=sys.stderr)
@@ -180,6 +190,8 @@ def run(args: argparse.Namespace) -> int:
         out, [p.label() for p in chosen.prompts], answers, console if live else None
     )
     views.print_summary(out, rec, console if live else None)
+    for line in settings.summary_lines(model, pools):
+        out(line)
     if args.model == "tiny-random":
         out("(tiny-random: random weights, so the answers above are meaningless by design)")
     return 0
@@ -192,11 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
 
 
 if __name__ == "__main__":
     cli.reexec_with_openblas()
-    sys.exit(main())
+    sys.exit(startup.run(main))

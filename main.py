@@ -17,13 +17,24 @@ import itertools
 import sys
 import time
 
-from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_checkpoint
+from tiny_llm_support import startup
+
+startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
+from tiny_llm_support import (
+    CheckpointError,
+    ModelNotAvailableError,
+    choose_device,
+    cli,
+    load_checkpoint,
+)
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.script_parser("main", "Generate text for one prompt.")
-    p.add_argument("--prompt", default="Tell me a short story about a cat.")
+    p.add_argument("--prompt", type=cli.text, default="Tell me a short story about a cat.")
     p.add_argument("--max-tokens", type=cli.int_at_least(0), default=64)
     p.add_argument("--temperature", type=cli.float_at_least(0), default=0.0, help="0 is greedy")
     p.add_argument("--top-k", type=cli.int_at_least(1), default=None)
@@ -60,6 +71,24 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, gro
         return "Qwen3ModelWeek1 + simple_generate (no KV cache yet)", loop
 
 
+def encode_prompt(ckpt, prompt: str, chat_template: bool) -> list[int]:
+    """The prompt's token ids; ValueError for an empty prompt or one longer than the model's
+    positions, before any model call."""
+    text = prompt
+    if chat_template:
+        text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+    tokens = ckpt.tokenizer.encode(text)
+    limit = ckpt.config.max_position_embeddings
+    if not tokens:
+        raise ValueError("the prompt is empty: it has no tokens to start from")
+    if len(tokens) > limit:
+        raise ValueError(
+            f"the prompt has {len(tokens)} tokens, more than the model's {limit} positions "
+            "(max_position_embeddings in its config.json)"
+        )
+    return tokens
+
+
 def run(args: argparse.Namespace) -> int:
     package = cli.load_solution(args.solution)
     try:
@@ -72,29 +101,27 @@ def run(args: argparse.Namespace) -> int:
         ckpt = load_checkpoint(path, dtype=dtype)
         if ckpt.tokenizer is None:
             raise ValueError(f"{path} has no tokenizer.json")
-    except (ValueError, OSError, ModelNotAvailableError) as e:
+        prompt_tokens = encode_prompt(ckpt, args.prompt, not args.no_chat_template)
+    except (CheckpointError, ValueError, OSError, ModelNotAvailableError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = ckpt.tokenizer
-
-    text = args.prompt
-    if not args.no_chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-    prompt_tokens = tokenizer.encode(text)
+    # n new tokens take positions up to len(prompt) + n - 2 (the last one is never fed back)
+    limit = ckpt.config.max_position_embeddings
+    max_tokens = min(args.max_tokens, limit - len(prompt_tokens) + 1)
     print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
-    if args.model == "tiny-random":
-        print("note: 'tiny-random' has random weights, so its text is meaningless")
-    elif args.model == "tiny":
-        print("note: 'tiny' knows little beyond the demo's questions; try --model qwen3-0.6b")
+    if cli.model_note(args.model):
+        print(cli.model_note(args.model))
     for hint in cli.cpu_hints(device, dtype):
         print(hint)
 
     t0 = time.perf_counter()
     try:
         sampler = package.make_sampler(args.temperature, args.top_k, args.top_p, args.seed)
-        loop, stream = start(package, ckpt, prompt_tokens, sampler, args.max_tokens, group)
+        loop, stream = start(package, ckpt, prompt_tokens, sampler, max_tokens, group)
         print(f"loop: {loop}; prompt: {len(prompt_tokens)} tokens\n")
-        detok, n, t_first, stop = tokenizer.detokenizer(), 0, None, "max tokens"
+        detok, n, t_first = tokenizer.detokenizer(), 0, None
+        stop = "max tokens" if max_tokens == args.max_tokens else f"the {limit}-position limit"
         for token in stream:
             n += 1
             t_first = t_first or time.perf_counter()
@@ -116,4 +143,4 @@ def run(args: argparse.Namespace) -> int:
 if __name__ == "__main__":
     arguments = parse_args()
     cli.reexec_with_openblas()
-    sys.exit(run(arguments))
+    sys.exit(startup.run(lambda: run(arguments)))

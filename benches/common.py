@@ -42,6 +42,7 @@ from tiny_llm_support import (
     random_weights,
     resolve_model,
 )
+from tiny_llm_support.checkpoint_files import read_json_object
 from tiny_llm_support.cli import DEVICES, DTYPES, add_solution_argument, int_at_least
 
 RESULTS = Path(__file__).resolve().parent / "results"  # where the benchmarks write JSON
@@ -341,11 +342,7 @@ def bench_model_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) 
 
 
 def _read_config(path: Path) -> dict[str, Any]:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ValueError(f"cannot read the model config {path}: {e}") from e
+    return read_json_object(path, "a JSON object of model settings")
 
 
 def _ordinary_token_ids(

@@ -222,6 +222,29 @@ def test_scheduling_events_before_the_first_pass_and_preemption():
     assert run.rec.passes[2].start == 3.0  # after the admit that ended the previous pass
 
 
+def test_waits_admission_and_recomputed_tokens():
+    """A request that waited for pages is admitted when its admit event comes; every
+    preemption adds the tokens its prefill must compute again."""
+    run = Run()
+    a = FakeRequest(0, 6)
+    run.at(0.2, "wait", a, [None], 0, 0)
+    run.at(0.4, "admit", a, [None], 0, 0)
+    a.generated = [1]
+    run.at(1.0, "prefill", a, [None], 6, 1)
+    a.generated = [1, 2, 3]
+    run.at(2.0, "decode", None, [a], 1, 2)
+    run.at(2.5, "preempt", a, [None], 0, 2)
+    run.at(2.6, "wait", a, [None], 0, 2)
+    run.at(3.0, "admit", a, [None], 0, 2)  # admitted again: its first admission stays
+    run.at(4.0, "prefill", a, [None], 8, 3)
+    a.generated = [1, 2, 3, 4]
+    run.at(5.0, "decode", None, [a], 1, 4)
+    run.at(5.5, "preempt", a, [None], 0, 4)
+    record = run.rec.requests[0]
+    assert (record.waits, record.admitted, record.preemptions) == (2, pytest.approx(0.4), 2)
+    assert record.recomputed == (6 + 2) + (6 + 3)  # the prompt and all generated but the last
+
+
 def test_a_refused_request_is_over_without_a_token():
     run = Run()
     run.at(0.1, "refuse", FakeRequest(3, 500), [None], 0, 0)
@@ -254,7 +277,7 @@ def test_the_reference_scheduler_with_a_small_page_pool(tiny_gqa_ckpt, policy):
     assert sum(r.preemptions for r in records) > 0, "8 pages must force a preemption"
     assert rec.decode_tokens() == rec.output_tokens() - len(prompts)
     for r, prompt in zip(records, prompts):
-        assert r.prefilled == r.to_prefill and sum(r.chunks) >= len(prompt)
+        assert r.prefilled == r.to_prefill and sum(r.chunks) == len(prompt) + r.recomputed
         assert r.admitted <= r.ttft <= r.finished <= rec.wall
     assert [p.number for p in rec.passes] == list(range(1, len(rec.passes) + 1))
     assert all(p.duration >= 0 for p in rec.passes)

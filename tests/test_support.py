@@ -12,6 +12,7 @@ from tiny_llm_support import (
     OPENBLAS_HINT,
     SHORTCUTS,
     ModelNotAvailableError,
+    CheckpointError,
     Qwen3Config,
     StreamingDetokenizer,
     blas_info,
@@ -259,21 +260,96 @@ def test_pickle_refused(tmp_path):
 def test_missing_weights_and_index_shards(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "a")
     (path / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="safetensors"):
+    with pytest.raises(CheckpointError, match="safetensors"):
         load_checkpoint(path)
     sharded = make_tiny_checkpoint(tmp_path / "b", shards=2)
     (sharded / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="model-00002-of-00002"):
+    with pytest.raises(CheckpointError, match="model-00002-of-00002"):
         load_checkpoint(sharded)
 
 
 def test_missing_config_and_dir(tmp_path):
     path = make_tiny_checkpoint(tmp_path / "ckpt")
     (path / "config.json").unlink()
-    with pytest.raises(FileNotFoundError, match=r"ckpt.config\.json"):
+    with pytest.raises(CheckpointError, match=r"ckpt.config\.json"):
         load_checkpoint(path)
-    with pytest.raises(FileNotFoundError, match="nowhere"):
+    with pytest.raises(CheckpointError, match="nowhere"):
         load_checkpoint(tmp_path / "nowhere")
+
+
+def damage(path: Path, name: str, content: bytes | None = None, keep: int | None = None) -> Path:
+    """Overwrite a checkpoint file with `content`, or cut it to its first `keep` bytes."""
+    file = path / name
+    data = file.read_bytes()
+    file.write_bytes(content if content is not None else data[:keep])
+    return file
+
+
+@pytest.mark.parametrize(
+    "how, words",
+    [
+        ("half", r"truncated or not a safetensors file \(header says \d+ bytes, file has \d+\)"),
+        ("five-bytes", r"not a safetensors file \(5 bytes, too short\)"),
+        ("random", "truncated or not a safetensors file"),
+        ("bad-header", r"not a safetensors file \(its header is not valid\)"),
+    ],
+)
+def test_damaged_safetensors_named(tmp_path, how, words):
+    """Checked against the file's size before MLX reads it."""
+    path = make_tiny_checkpoint(tmp_path)
+    size = (path / "model.safetensors").stat().st_size
+    content = {
+        "half": None,
+        "five-bytes": b"12345",
+        "random": np.random.RandomState(0).bytes(4096),
+        "bad-header": (10).to_bytes(8, "little") + b"not json!!" + b"\0" * 64,
+    }[how]
+    damage(path, "model.safetensors", content, keep=size // 2)
+    with pytest.raises(CheckpointError, match=rf"model\.safetensors: {words}"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    "name, content, words",
+    [
+        ("config.json", b"[1, 2]", r"config\.json: expected .* found a JSON list"),
+        ("config.json", b'{"model_type": ', r"config\.json: not valid JSON"),
+        ("config.json", b"\xff\xfe", r"config\.json: cannot read it"),
+        ("tokenizer.json", b"{1: 2", r"tokenizer\.json: not a valid tokenizer file"),
+        ("tokenizer_config.json", b"[]", r"tokenizer_config\.json: expected a JSON object"),
+    ],
+)
+def test_unreadable_json_named(tmp_path, name, content, words):
+    path = make_tiny_checkpoint(tmp_path)
+    damage(path, name, content)
+    with pytest.raises(CheckpointError, match=words):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("key, value", [("hidden_size", "wide"), ("rope_theta", [1])])
+def test_config_value_of_the_wrong_kind_named(tmp_path, key, value):
+    path = make_tiny_checkpoint(tmp_path)
+    edit_config(path, **{key: value})
+    with pytest.raises(CheckpointError, match=rf"config\.json: {key} must be a number"):
+        load_checkpoint(path)
+
+
+@pytest.mark.parametrize("name", ["model.norm.weight", Q_PROJ])
+def test_integer_weight_refused_by_name(tmp_path, name):
+    path = make_tiny_checkpoint(tmp_path)
+    rewrite_weights(path, lambda w: w.update({name: w[name].astype(mx.int32)}))
+    with pytest.raises(CheckpointError, match=rf"{name} is int32, not a floating-point"):
+        load_checkpoint(path)
+
+
+def test_quantized_codes_are_not_refused_but_integer_scales_are(tmp_path):
+    """uint32 codes belong to a quantized layer's packed layout; its scales must be float."""
+    path = make_tiny_checkpoint(tmp_path, quantize=4)
+    assert load_checkpoint(path).weights[Q_PROJ].dtype == mx.uint32
+    scales = Q_PROJ.replace(".weight", ".scales")
+    rewrite_weights(path, lambda w: w.update({scales: w[scales].astype(mx.int32)}))
+    with pytest.raises(CheckpointError, match=rf"{scales} is int32"):
+        load_checkpoint(path)
 
 
 def test_unknown_model_type(tmp_path):
@@ -409,7 +485,7 @@ def test_quantization_config_refused(entry, message):
         (lambda w: w.pop(f"{DOWN}.biases"), rf"tensor {DOWN}\.biases is missing"),
         (
             lambda w: w.update({f"{DOWN}.weight": mx.zeros((64, 16))}),
-            rf"{DOWN}\.weight is mlx\.core\.float32; .* uint32",
+            rf"{DOWN}\.weight is float32; .* uint32",
         ),
     ],
     ids=["scales-shape", "packed-shape", "no-biases", "float-codes"],

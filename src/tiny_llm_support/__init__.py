@@ -1,55 +1,60 @@
 """What the course does not ask students to write: loading checkpoints and tokenizers,
 synthetic tiny checkpoints, model names, and device / BLAS set-up. Beside them, for the demo
-and the benchmarks: `cli` (shared command-line pieces), `batch_recorder` (measurements from
-batch_generate's on_step events), `batch_views` and `demo_prompts` (the batch-main demo)."""
+and the benchmarks: `cli` (shared command-line pieces), `startup` (Ctrl-C and a broken MLX at
+an entry point), `batch_recorder` (measurements from batch_generate's on_step events),
+`batch_views` and `demo_prompts` (the batch-main demo).
 
-from .checkpoint import (
-    Checkpoint,
-    expected_shapes,
-    load_checkpoint,
-    quantize_checkpoint,
-    quantize_weights,
-)
-from .config import QUANT_BITS, QUANT_GROUP_SIZES, Quantization, Qwen3Config, check_quant_format
-from .device import (
-    OPENBLAS_HINT,
-    blas_info,
-    choose_device,
-    gpu_available,
-    openblas_path,
-    openblas_preload_env,
-    reexec_with_openblas,
-)
-from .models import SHORTCUTS, ModelNotAvailableError, resolve_model
-from .oracle import mlx_lm_qwen3
-from .tiny import make_tiny_checkpoint, random_weights
-from .tokenizer import StreamingDetokenizer, Tokenizer, load_tokenizer
+`from tiny_llm_support import load_checkpoint` works as usual, but the module that defines a
+name is imported only when the name is first used: importing the package alone loads no MLX,
+so that an entry point can set up Ctrl-C handling first (startup.py).
+"""
 
-__all__ = [
-    "Qwen3Config",
-    "Quantization",
-    "QUANT_BITS",
-    "QUANT_GROUP_SIZES",
-    "check_quant_format",
-    "Checkpoint",
-    "load_checkpoint",
-    "expected_shapes",
-    "quantize_checkpoint",
-    "quantize_weights",
-    "make_tiny_checkpoint",
-    "random_weights",
-    "Tokenizer",
-    "load_tokenizer",
-    "StreamingDetokenizer",
-    "SHORTCUTS",
-    "resolve_model",
-    "ModelNotAvailableError",
-    "choose_device",
-    "gpu_available",
-    "blas_info",
-    "openblas_path",
-    "OPENBLAS_HINT",
-    "mlx_lm_qwen3",
-    "openblas_preload_env",
-    "reexec_with_openblas",
-]
+from importlib import import_module
+from typing import Any
+
+_MODULE_OF = {
+    "checkpoint": [
+        "Checkpoint",
+        "expected_shapes",
+        "load_checkpoint",
+        "quantize_checkpoint",
+        "quantize_weights",
+    ],
+    "checkpoint_files": ["CheckpointError"],
+    "config": [
+        "QUANT_BITS",
+        "QUANT_GROUP_SIZES",
+        "Quantization",
+        "Qwen3Config",
+        "check_quant_format",
+    ],
+    "device": [
+        "OPENBLAS_HINT",
+        "blas_info",
+        "choose_device",
+        "gpu_available",
+        "openblas_path",
+        "openblas_preload_env",
+        "reexec_with_openblas",
+    ],
+    "models": ["SHORTCUTS", "ModelNotAvailableError", "resolve_model"],
+    "oracle": ["mlx_lm_qwen3"],
+    "tiny": ["make_tiny_checkpoint", "random_weights"],
+    "tokenizer": ["StreamingDetokenizer", "Tokenizer", "load_tokenizer"],
+}
+_WHERE = {name: module for module, names in _MODULE_OF.items() for name in names}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    """The first use of an exported name imports the module that defines it."""
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f".{_WHERE[name]}", __name__), name)
+    globals()[name] = value  # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -62,6 +62,8 @@ class RequestRecord:
     finished: float | None = None
     stop: str = ""  # "eos", "length" or "refused" once it is over
     preemptions: int = 0
+    recomputed: int = 0  # tokens prefilled again after its preemptions
+    waits: int = 0  # times it had to wait for free pages before being admitted
     to_prefill: int = 0  # tokens its current prefill must put in the cache
     restart: int = 0  # chunks before its current prefill (which began at its last preemption)
 
@@ -158,10 +160,15 @@ class BatchRecorder:
             record.finished = this.end
             last = step.request.generated[-1] if step.request.generated else None
             record.stop = "eos" if last in step.request.eos_token_ids else "length"
+        elif step.kind == "admit" and not record.chunks:  # admitted at last, after any waits
+            record.admitted = t
+        elif step.kind == "wait":
+            record.waits += 1
         elif step.kind == "preempt":  # its cache is gone; the generated tokens are kept
             record.preemptions += 1
             record.restart = len(record.chunks)
             record.to_prefill = record.prompt_tokens + max(0, len(step.request.generated) - 1)
+            record.recomputed += record.to_prefill
         elif step.kind == "refuse":
             record.finished, record.stop = t, "refused"
 

@@ -4,10 +4,12 @@ Both views are handed every `BatchStep` together with the `BatchRecorder` that h
 recorded it, and show what the events say happened: a prompt's chunks are counted as they are
 reported, with the tokens each one ran, never derived from the chunk budget. Each model call is
 a pass (`rec.passes[-1]` is the latest); a pass lists its chunks and its decode rows, so a pass
-that holds both shows as one.
+that holds both (the hybrid policy of Week 3 Day 4) shows as one.
 
-    PlainView   one line per prefill chunk, per finished request, per `every` decode steps
-    LiveView    a rich.live screen: header, the pass just run, prefills in progress, the slots
+    PlainView   one line per prefill chunk, per finished request, per `every` decode steps,
+                each with the number of its pass; preemptions, waits and refusals as they come
+    LiveView    a rich.live screen: header (with the page pool when it is bounded), the last
+                passes, prefills in progress, the slots, the latest scheduling events
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ FRAME_INTERVAL_S = 1 / 10  # the live view redraws at most this often
 SUMMARY_TITLE = (
     "Per request (all arrive at t = 0): prompt tokens, prefill chunks, wait before its first "
     "chunk, time to first token, tokens generated, decode tokens/s, longest gap between two "
-    "of its tokens, why it stopped (eos, or length: max-seq-len)"
+    "of its tokens, times preempted (with a bounded page pool), why it stopped (eos, length: "
+    "max-seq-len, or refused: larger than the page pool)"
 )
 
 
@@ -34,11 +37,13 @@ def chunk_text(record: RequestRecord) -> str:
 
 
 def pass_text(p: PassRecord) -> str:
-    """What one model call ran: its prefill chunks and its decode rows."""
-    parts = [f"prefill req {idx} ({tokens} tokens)" for idx, tokens in p.chunks]
-    if p.decode_rows:
-        parts.append(f"decode {p.decode_rows} rows")
-    return f"pass {p.number}: " + ", ".join(parts)
+    """What one model call ran: its decode rows and its prefill chunks, and their sum when it
+    ran both ("pass 7: decode 3 rows + prefill req 4 (13 tokens) = 16 rows")."""
+    parts = [f"decode {p.decode_rows} rows"] if p.decode_rows else []
+    parts += [f"prefill req {idx} ({tokens} tokens)" for idx, tokens in p.chunks]
+    rows = p.decode_rows + sum(tokens for _, tokens in p.chunks)
+    total = f" = {rows} rows" if len(parts) > 1 else ""
+    return f"pass {p.number}: " + " + ".join(parts) + total
 
 
 def event_text(step: Any, record: RequestRecord) -> str | None:
@@ -74,6 +79,7 @@ class PlainView:
 
     def show(self, step: Any, rec: BatchRecorder) -> None:
         t = rec.passes[-1].end if rec.passes else 0.0
+        number = rec.passes[-1].number if rec.passes else 0
         if step.kind == "prefill":
             r = rec.requests[step.request.prompt_idx]
             line = f"prefill req {r.idx:>2}  {chunk_text(r)}  {r.prefilled}/{r.to_prefill}"
@@ -92,22 +98,26 @@ class PlainView:
             line = event_text(step, rec.requests[step.request.prompt_idx])
             if line is None:
                 return
-        print(f"{t:8.3f}s {line}", flush=True)
+        print(f"{t:8.3f}s pass {number:>4}  {line}", flush=True)
 
 
 class LiveView:
     """A rich.live.Live screen: header, the last pass, prefills in progress, decode slots."""
 
-    def __init__(self, console: Any, title: str, total: int, batch_size: int) -> None:
+    def __init__(
+        self, console: Any, title: str, total: int, batch_size: int, pools: list | None = None
+    ) -> None:
         from rich.live import Live
 
         self.console = console
         self.title = title
         self.total = total
+        self.pools = pools  # a paged KV pool per layer, or None for dense caches
         self.slots: list[Any] = [None] * batch_size
         self.prefills: dict[int, Any] = {}  # prompt_idx -> Request, chunks in the latest passes
         self.recent: deque[str] = deque(maxlen=4)
         self.done = 0
+        self.open_pass = 1  # passes before this one have reported all their events
         self.last_draw = 0.0
         self.live = Live(console=console, auto_refresh=False, transient=True)
 
@@ -120,6 +130,9 @@ class LiveView:
 
     def show(self, step: Any, rec: BatchRecorder) -> None:
         self.slots = step.slots
+        # the events of a pass come one after another once it has run; scheduling events
+        # come between passes, after every event of the last one
+        self.open_pass = step.forward_pass + (step.kind not in ("prefill", "decode", "finish"))
         if step.kind == "prefill":
             if step.request.prompt_idx not in self.prefills:  # a new prompt: drop finished ones
                 self.prefills = {i: r for i, r in self.prefills.items() if not r.is_prefill_done}
@@ -133,15 +146,29 @@ class LiveView:
             self.last_draw = time.perf_counter()
 
     def header(self, rec: BatchRecorder) -> list[str]:
-        """The header's fields; a later view adds its own (ranks, preemptions) here."""
-        return [
+        """The header's fields: time, passes, requests, speed, and the page pool if any."""
+        started = sum(1 for r in rec.requests.values() if r.chunks or r.stop)
+        fields = [
             f"{rec.now():.1f} s",
             f"passes {len(rec.passes)}",
             f"decode steps {len(rec.decode_passes())}",
-            f"waiting {self.total - len(rec.requests)}",
+            f"not started {self.total - started}",
             f"finished {self.done}/{self.total}",
             f"decode {rec.decode_tokens_per_s():.1f} tokens/s",
         ]
+        if self.pools:  # every layer has its own pool, all used alike: the first stands for all
+            pool = self.pools[0]
+            fields.append(f"pages in use {pool.num_in_use}/{pool.max_pages or 'unbounded'}")
+        preempted = sum(r.preemptions for r in rec.requests.values())
+        if preempted:
+            fields.append(f"preemptions {preempted}")
+        return fields
+
+    def finished_passes(self, rec: BatchRecorder, count: int = 3) -> list[PassRecord]:
+        """The latest passes whose events have all been reported, newest first."""
+        over = self.done == self.total
+        complete = [p for p in rec.passes[-count - 1 :] if over or p.number < self.open_pass]
+        return complete[::-1][:count]
 
     def render(self, rec: BatchRecorder) -> Any:
         from rich.console import Group
@@ -150,7 +177,7 @@ class LiveView:
         from rich.text import Text
 
         header = Text.assemble((self.title, "bold"), "\n" + "   ".join(self.header(rec)))
-        last = Text(pass_text(rec.passes[-1]) if rec.passes else "", style="dim")
+        passes = Text("\n".join(pass_text(p) for p in self.finished_passes(rec)), style="dim")
         prefill = Table.grid(padding=(0, 1))
         if not self.prefills:
             prefill.add_row(Text("prefill: waiting for the first request", style="dim"))
@@ -175,7 +202,7 @@ class LiveView:
                 cells = (str(i), str(req.prompt_idx), str(req.offset), str(len(req.generated)))
                 slots.add_row(*cells, Text(tail(req.text(), width), style="green"))
         recent = Text("\n".join(self.recent), style="dim")
-        return Group(header, last, Text(""), prefill, Text(""), slots, Text(""), recent)
+        return Group(header, passes, Text(""), prefill, Text(""), slots, Text(""), recent)
 
 
 def tail(text: str, width: int) -> str:
@@ -220,6 +247,10 @@ def print_answers(
 def print_summary(out: Callable[[str], None], rec: BatchRecorder, console: Any | None) -> None:
     """A row per request, then the run's prefill, decode, TTFT and longest decode gap."""
     headers = ["req", "prompt", "chunks", "wait s", "TTFT s", "tokens", "tok/s", "gap ms", "stop"]
+    records = rec.requests.values()
+    preempted = any(r.preemptions for r in records)
+    if preempted:  # a bounded page pool (Week 3 Day 6) took requests' pages back
+        headers.insert(-1, "preempted")
     rows = []
     for idx, r in sorted(rec.requests.items()):
         rate = r.decode_rate()
@@ -233,6 +264,7 @@ def print_summary(out: Callable[[str], None], rec: BatchRecorder, console: Any |
                 str(r.generated),
                 f"{rate:.1f}" if rate is not None else "-",
                 f"{r.longest_token_gap() * 1000:.1f}",
+                *([str(r.preemptions)] if preempted else []),
                 r.stop,
             ]
         )
@@ -269,6 +301,14 @@ def print_summary(out: Callable[[str], None], rec: BatchRecorder, console: Any |
         out(
             f"time to first token: min {min(ttfts):.3f} s, mean {sum(ttfts) / len(ttfts):.3f} s, "
             f"max {max(ttfts):.3f} s"
+        )
+    waits = sum(r.waits for r in records)
+    refused = sum(r.stop == "refused" for r in records)
+    if preempted or waits or refused:
+        out(
+            f"page pool: {sum(r.preemptions for r in records)} preemptions "
+            f"({sum(r.recomputed for r in records)} tokens prefilled again), {waits} waits for "
+            f"free pages, {refused} requests refused"
         )
     gap = max(rec.decode_gaps(), key=lambda g: g.seconds, default=None)
     if gap is not None:

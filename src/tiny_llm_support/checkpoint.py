@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
 
+from .checkpoint_files import CheckpointError, check_safetensors, read_json_object
 from .config import Quantization, Qwen3Config, check_quant_format
 from .tokenizer import Tokenizer, load_tokenizer
 
@@ -95,36 +95,49 @@ def to_mx_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
 
 
 def load_checkpoint(path: str | Path, dtype: mx.Dtype | str | None = None) -> Checkpoint:
-    """Load config.json, the safetensors weights (single file or sharded) and the tokenizer."""
+    """Load config.json, the safetensors weights (single file or sharded) and the tokenizer.
+    Any file that is missing or cannot be read raises CheckpointError, naming it."""
     path = Path(path).expanduser()
-    if not path.is_dir():
-        raise FileNotFoundError(f"checkpoint directory not found: {path}")
-    config = Qwen3Config.from_file(path / "config.json")
     target = to_mx_dtype(dtype) if dtype is not None else None
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint directory not found: {path}")
+    config = Qwen3Config.from_file(path / "config.json")
+    files = safetensors_files(path)
+    for file in files:
+        check_safetensors(file)  # before MLX reads it
+    tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     weights: dict[str, mx.array] = {}
-    files: dict[str, Path] = {}  # tensor name -> the file it came from, for error messages
-    for file in safetensors_files(path):
-        loaded = mx.load(str(file))
+    tensor_files: dict[str, Path] = {}  # tensor name -> the file it came from, for messages
+    for file in files:
+        loaded = read_safetensors(file)
         weights.update(loaded)
-        files.update(dict.fromkeys(loaded, file))
+        tensor_files.update(dict.fromkeys(loaded, file))
     _tie_lm_head(weights, config, path)
-    check_weights(weights, config, path, files)
+    check_weights(weights, config, path, tensor_files)
     if target is not None:
         weights = _convert(weights, target)
-    tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
     return Checkpoint(path=path, config=config, weights=weights, tokenizer=tokenizer)
+
+
+def read_safetensors(file: Path) -> dict[str, mx.array]:
+    """The tensors of one safetensors file (check_safetensors has checked its header)."""
+    try:
+        return mx.load(str(file))
+    except (RuntimeError, ValueError, OSError) as e:  # e.g. a dtype MLX cannot hold
+        raise CheckpointError(f"{file}: cannot be read ({e})") from None
 
 
 def safetensors_files(path: Path) -> list[Path]:
     """The weight files: those the shard index names, else model.safetensors."""
     index = path / INDEX_FILE
     if index.is_file():
-        with open(index, encoding="utf-8") as f:
-            weight_map = json.load(f).get("weight_map", {})
-        files = [path / name for name in sorted(set(weight_map.values()))]
+        weight_map = read_json_object(index).get("weight_map", {})
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(f"{index}: no weight_map naming the weight files")
+        files = [path / str(name) for name in sorted(set(map(str, weight_map.values())))]
         for file in files:
             if not file.is_file():
-                raise FileNotFoundError(f"{index} names {file.name}, which does not exist")
+                raise CheckpointError(f"{index} names {file.name}, which does not exist")
         return files
     if (path / SINGLE_FILE).is_file():
         return [path / SINGLE_FILE]
@@ -133,11 +146,11 @@ def safetensors_files(path: Path) -> list[Path]:
         return found
     pickles = sorted(p for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
     if pickles:
-        raise ValueError(
+        raise CheckpointError(
             f"{pickles[0]} is a PyTorch pickle file; only safetensors checkpoints are supported "
             "(pickle files can run arbitrary code when loaded)"
         )
-    raise FileNotFoundError(f"no *.safetensors weight files in {path}")
+    raise CheckpointError(f"no *.safetensors weight files in {path}")
 
 
 def check_weights(
@@ -146,21 +159,36 @@ def check_weights(
     path: Path,
     files: dict[str, Path] | None = None,
 ) -> None:
-    """Every expected tensor must be present with the expected shape; extras are ignored.
-    A quantized layer (its `.scales` present) is checked in its packed layout instead."""
+    """Every expected tensor must be present with the expected shape and a floating-point
+    dtype; extras are ignored. A quantized layer (its `.scales` present) is checked in its
+    packed layout instead: uint32 codes, float scales and biases."""
     where = lambda name: (files or {}).get(name, path)
     for name, shape in expected_shapes(config).items():
         if name not in weights:
-            raise ValueError(f"{path}: tensor {name} is missing (expected shape {list(shape)})")
+            raise CheckpointError(
+                f"{path}: tensor {name} is missing (expected shape {list(shape)})"
+            )
         layer = name.removesuffix(".weight")
         if len(shape) == 2 and (f"{layer}.scales" in weights or weights[name].dtype == mx.uint32):
             check_quantized(weights, config, layer, shape, where)
             continue
         got = tuple(weights[name].shape)
         if got != shape:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where(name)}: tensor {name} has shape {list(got)}, expected {list(shape)}"
             )
+        check_float(weights, name, where)
+
+
+def check_float(weights: dict[str, mx.array], name: str, where: Callable[[str], Path]) -> None:
+    """A weight that is not floating point (an int32 norm, say) would compute garbage."""
+    dtype = weights[name].dtype
+    if not mx.issubdtype(dtype, mx.floating):
+        raise CheckpointError(
+            f"{where(name)}: tensor {name} is {dtype_name(dtype)}, not a floating-point type "
+            "(weights are float32, bfloat16 or float16; only a quantized layer's codes are "
+            "uint32)"
+        )
 
 
 def check_quantized(
@@ -174,14 +202,14 @@ def check_quantized(
     scales and biases [O, I / group_size], with group_size and bits from config.json."""
     fmt = config.quantization.of(layer) if config.quantization is not None else None
     if fmt is None:
-        raise ValueError(
+        raise CheckpointError(
             f"{where(layer + '.weight')}: tensor {layer}.weight is quantized (uint32 codes or "
             f"a {layer}.scales tensor), but config.json's quantization entry does not cover it"
         )
     group_size, bits = fmt
     rows, cols = shape
     if cols % group_size != 0:
-        raise ValueError(
+        raise CheckpointError(
             f"{where(layer + '.weight')}: {layer} has {cols} inputs, not a multiple of "
             f"group_size {group_size}"
         )
@@ -193,29 +221,37 @@ def check_quantized(
     for part, want in packed.items():
         name = f"{layer}.{part}"
         if name not in weights:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where(layer + '.weight')}: tensor {name} is missing (a quantized layer has "
                 "weight, scales and biases)"
             )
         got = tuple(weights[name].shape)
         if got != want:
-            raise ValueError(
+            raise CheckpointError(
                 f"{where(name)}: tensor {name} has shape {list(got)}, expected {list(want)} "
                 f"({bits}-bit codes of a {list(shape)} weight, {32 // bits} to a uint32, one "
                 f"scale and bias per group of {group_size})"
             )
+    check_float(weights, f"{layer}.scales", where)
+    check_float(weights, f"{layer}.biases", where)
     if weights[f"{layer}.weight"].dtype != mx.uint32:
-        raise ValueError(
-            f"{where(layer + '.weight')}: tensor {layer}.weight is {weights[layer + '.weight'].dtype}; "
+        raise CheckpointError(
+            f"{where(layer + '.weight')}: tensor {layer}.weight is "
+            f"{dtype_name(weights[layer + '.weight'].dtype)}; "
             "the codes of a quantized layer are uint32"
         )
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """ "int32" for mx.int32."""
+    return str(dtype).removeprefix("mlx.core.")
 
 
 def _tie_lm_head(weights: dict[str, mx.array], config: Qwen3Config, path: Path) -> None:
     if "lm_head.weight" in weights:
         return
     if not config.tie_word_embeddings:
-        raise ValueError(
+        raise CheckpointError(
             f"{path}: tensor lm_head.weight is missing and tie_word_embeddings is false"
         )
     for part in TENSOR_PARTS:  # a quantized embedding ties its scales and biases too

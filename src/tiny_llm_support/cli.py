@@ -25,10 +25,12 @@ __all__ = [
     "int_at_least",
     "load_solution",
     "MODEL_HELP",
+    "model_note",
     "model_path",
     "printable",
     "reexec_with_openblas",
     "script_parser",
+    "text",
     "unfinished_message",
 ]
 
@@ -105,6 +107,21 @@ def model_path(model: str, cache_dir: str | None = None) -> Path:
         ) from e
 
 
+def model_note(model: str) -> str | None:
+    """A line about what to expect from the text of an offline model."""
+    if model == "tiny-random":
+        return (
+            "note: 'tiny-random' has random weights: the engine's work is real, its text is "
+            "meaningless"
+        )
+    if model == "tiny":
+        return (
+            "note: 'tiny' is a small model trained in the project on the book and the demo's "
+            "questions; it knows little else. Try --model qwen3-0.6b for real answers."
+        )
+    return None
+
+
 def default_dtype(device: str) -> str:
     """float32 on the CPU, where bf16 matmul is slow; bfloat16 on a GPU."""
     return "bfloat16" if device == "gpu" else "float32"
@@ -119,6 +136,20 @@ def cpu_hints(device: str, dtype: str) -> list[str]:
     if device == "cpu" and dtype != "float32":
         hints.append(f"hint: {dtype} matmul is slow on the CPU; --dtype float32 is faster")
     return hints
+
+
+def text(value: str) -> str:
+    """An argparse type: text that is valid UTF-8. (Python hands bytes that are not UTF-8 to a
+    program as lone surrogates, which no tokenizer accepts.)"""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(value[e.start]) - 0xDC00  # surrogateescape keeps the byte in U+DC80..U+DCFF
+        where = f"byte 0x{byte:02x}" if 0x80 <= byte <= 0xFF else repr(value[e.start])
+        raise argparse.ArgumentTypeError(
+            f"not valid UTF-8 text ({where} at character {e.start + 1})"
+        ) from None
+    return value
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

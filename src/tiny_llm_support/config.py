@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .checkpoint_files import CheckpointError, read_json_object
 
 _REQUIRED = (
     "vocab_size",
@@ -70,27 +71,46 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str | Path = "config.json") -> Qwen3Config:
-        """Parse a config dict; `source` names the file in error messages."""
+        """Parse a config dict; `source` names the file in error messages, which are
+        CheckpointErrors."""
+        if not isinstance(d, dict):
+            raise CheckpointError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        try:
+            return cls._parse(d, source)
+        except (AttributeError, TypeError, ValueError) as e:  # an entry of the wrong kind
+            if isinstance(e, CheckpointError):
+                raise
+            detail = str(e).removeprefix(f"{source}: ")
+            raise CheckpointError(f"{source}: {detail}") from None
+
+    @classmethod
+    def _parse(cls, d: dict[str, Any], source: str | Path) -> Qwen3Config:
         model_type = d.get("model_type")
         if model_type != "qwen3":
-            raise ValueError(
-                f"{source}: model_type is {model_type!r}, but only 'qwen3' checkpoints are supported"
+            raise CheckpointError(
+                f"{source}: model_type is {model_type!r}, but only 'qwen3' checkpoints are "
+                "supported"
             )
         for key in _REQUIRED:
             if key not in d:
-                raise ValueError(f"{source}: required key {key!r} is missing")
-        heads = int(d["num_attention_heads"])
+                raise CheckpointError(f"{source}: required key {key!r} is missing")
+        number = lambda key, kind=int: _number(d, key, kind, source)
+        heads = number("num_attention_heads")
+        if heads <= 0:
+            raise CheckpointError(f"{source}: num_attention_heads must be positive, got {heads}")
         config = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_hidden_layers=int(d["num_hidden_layers"]),
+            vocab_size=number("vocab_size"),
+            hidden_size=number("hidden_size"),
+            intermediate_size=number("intermediate_size"),
+            num_hidden_layers=number("num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=int(d.get("head_dim") or int(d["hidden_size"]) // heads),
-            rms_norm_eps=float(d["rms_norm_eps"]),
+            num_key_value_heads=number("num_key_value_heads")
+            if d.get("num_key_value_heads")
+            else heads,
+            head_dim=number("head_dim") if d.get("head_dim") else number("hidden_size") // heads,
+            rms_norm_eps=number("rms_norm_eps", float),
             rope_theta=_rope_theta(d, source),
-            max_position_embeddings=int(d["max_position_embeddings"]),
+            max_position_embeddings=number("max_position_embeddings"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             quantization=_quantization(d, source),
@@ -103,10 +123,7 @@ class Qwen3Config:
     def from_file(cls, path: str | Path) -> Qwen3Config:
         """Read and parse a config.json file."""
         path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        with open(path, encoding="utf-8") as f:
-            return cls.from_dict(json.load(f), source=path)
+        return cls.from_dict(read_json_object(path, "a JSON object of model settings"), path)
 
     def _check(self, source: str | Path) -> None:
         sizes = {
@@ -120,25 +137,35 @@ class Qwen3Config:
         }
         for key, value in sizes.items():
             if value <= 0:
-                raise ValueError(f"{source}: {key} must be positive, got {value}")
+                raise CheckpointError(f"{source}: {key} must be positive, got {value}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
-            raise ValueError(
+            raise CheckpointError(
                 f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
 
 
+def _number(d: dict[str, Any], key: str, kind: type, source: str | Path) -> Any:
+    """d[key] as an int or a float, or an error naming the key and the file."""
+    try:
+        return kind(d[key])
+    except (TypeError, ValueError):
+        raise CheckpointError(f"{source}: {key} must be a number, got {d[key]!r}") from None
+
+
 def _rope_theta(d: dict[str, Any], source: str | Path) -> float:
     """rope_theta sits at the top level (older configs) or in rope_parameters (newer ones)."""
     if "rope_theta" in d:
-        return float(d["rope_theta"])
+        return _number(d, "rope_theta", float, source)
     params = d.get("rope_parameters") or {}
     if "rope_theta" in params:
         rope_type = params.get("rope_type", "default")
         if rope_type != "default":
-            raise ValueError(f"{source}: rope_type {rope_type!r} is not supported, only 'default'")
-        return float(params["rope_theta"])
-    raise ValueError(
+            raise CheckpointError(
+                f"{source}: rope_type {rope_type!r} is not supported, only 'default'"
+            )
+        return _number(params, "rope_theta", float, source)
+    raise CheckpointError(
         f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)"
     )
 
@@ -150,7 +177,7 @@ def _quantization(d: dict[str, Any], source: str | Path) -> Quantization | None:
         other = d.get("quantization_config")
         if other:
             method = other.get("quant_method") if isinstance(other, dict) else None
-            raise ValueError(
+            raise CheckpointError(
                 f"{source}: quantization_config (quant_method {method!r}) is not supported; "
                 "tiny-llm reads MLX's affine format, the `quantization` entry mlx-lm's "
                 "convert writes"
@@ -169,10 +196,10 @@ def _quantization(d: dict[str, Any], source: str | Path) -> Quantization | None:
 def _quant_format(entry: dict[str, Any], source: str | Path, where: str) -> tuple[int, int]:
     mode = entry.get("mode", "affine")
     if mode != "affine":
-        raise ValueError(f"{source}: {where} has mode {mode!r}; only 'affine' is supported")
+        raise CheckpointError(f"{source}: {where} has mode {mode!r}; only 'affine' is supported")
     for key in ("group_size", "bits"):
         if key not in entry:
-            raise ValueError(f"{source}: {where} has no {key!r}")
+            raise CheckpointError(f"{source}: {where} has no {key!r}")
     group_size, bits = int(entry["group_size"]), int(entry["bits"])
     check_quant_format(group_size, bits, f"{source}: {where}")
     return group_size, bits

@@ -12,6 +12,8 @@ import tokenizers
 from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from .checkpoint_files import CheckpointError, read_json_object
+
 REPLACEMENT_CHAR = "\ufffd"
 
 
@@ -156,26 +158,34 @@ class StreamingDetokenizer:
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load tokenizer.json, tokenizer_config.json and (if present) generation_config.json."""
+    """Load tokenizer.json, tokenizer_config.json and (if present) generation_config.json.
+    A missing or unreadable file raises CheckpointError, naming it."""
     path = Path(path)
     tokenizer_file = path / "tokenizer.json"
     if not tokenizer_file.is_file():
-        raise FileNotFoundError(f"tokenizer.json not found in {path}")
-    hf_tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+        raise CheckpointError(f"tokenizer.json not found in {path}")
+    try:
+        hf_tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+    except Exception as e:  # the tokenizers library raises a bare Exception for a bad file
+        detail = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{tokenizer_file}: not a valid tokenizer file ({detail})") from None
     config = _read_json(path / "tokenizer_config.json")
     generation_config = _read_json(path / "generation_config.json")
     template_file = path / "chat_template.jinja"
     template = None
     if not config.get("chat_template") and template_file.is_file():
-        template = template_file.read_text(encoding="utf-8")
-    return Tokenizer(hf_tokenizer, config, generation_config, chat_template=template)
+        try:
+            template = template_file.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{template_file}: cannot read it ({e})") from None
+    try:
+        return Tokenizer(hf_tokenizer, config, generation_config, chat_template=template)
+    except (ValueError, TypeError, AttributeError) as e:  # e.g. an eos_token not in the vocabulary
+        raise CheckpointError(f"{path / 'tokenizer_config.json'}: {e}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
+    return read_json_object(path) if path.is_file() else {}
 
 
 def _token_content(token: Any) -> str | None:

@@ -1,0 +1,166 @@
+"""How batch-main serves: the scheduler settings of Week 3 Days 3 to 6, from the command line
+to the model, the page pools and batch_generate's keywords, and the lines that describe them.
+
+    --compile             the blocks' token-parallel halves compiled (3.3); query padding on
+    --policy hybrid       one forward pass per iteration: decode rows and prompt chunks (3.4)
+    --max-pages N         a bounded paged KV pool (3.6), pages of --page-size tokens (2.2)
+    --gather              read the pages by gathering them (2.2) instead of in place (3.5)
+
+Every check here runs before any model call; a setting a solution has not written yet stops
+with its task message when batch_generate reaches it.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from .cli import int_at_least
+
+POLICIES = ("alternate", "hybrid")
+DEFAULT_PAGE_SIZE = 16
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """--compile, --policy, --max-pages, --page-size and --read-in-place / --gather."""
+    g = p.add_argument_group("scheduler (Week 3 Days 3-6)")
+    g.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the blocks' token-parallel halves (3.3); chunks are padded to a ladder",
+    )
+    g.add_argument(
+        "--policy",
+        choices=POLICIES,
+        default="alternate",
+        help="alternate: a prefill chunk, then a decode pass; hybrid: one pass holding every "
+        "decode row and prompt chunks, --prefill-step rows in all (3.4)",
+    )
+    g.add_argument(
+        "--max-pages",
+        type=int_at_least(1),
+        default=None,
+        help="serve from a paged KV pool of this many pages per layer: too few for every "
+        "request at once means waits and preemptions (3.6)",
+    )
+    g.add_argument(
+        "--page-size",
+        type=int_at_least(1),
+        default=None,
+        help=f"tokens per page (default {DEFAULT_PAGE_SIZE}); alone: an unbounded paged pool",
+    )
+    read = g.add_mutually_exclusive_group()
+    read.add_argument(
+        "--read-in-place",
+        dest="read_in_place",
+        action="store_true",
+        default=None,
+        help="attention reads the pages where they lie (3.5; the default with pages)",
+    )
+    read.add_argument(
+        "--gather",
+        dest="read_in_place",
+        action="store_false",
+        help="attention reads a dense copy gathered from the pages (2.2)",
+    )
+
+
+def check_arguments(args: argparse.Namespace) -> str | None:
+    """What is wrong with the settings on their own, or None; fills in the defaults."""
+    paged = args.max_pages is not None or args.page_size is not None
+    if args.read_in_place is not None and not paged:
+        flag = "--read-in-place" if args.read_in_place else "--gather"
+        return f"{flag} is about reading KV pages: add --max-pages N (or --page-size N)"
+    if paged:
+        args.page_size = args.page_size or DEFAULT_PAGE_SIZE
+        args.read_in_place = args.read_in_place is not False
+    if args.max_pages is not None:
+        pages = -(-args.max_seq_len // args.page_size)
+        if args.max_pages < pages:
+            return (
+                f"--max-pages {args.max_pages} of {args.page_size} tokens hold "
+                f"{args.max_pages * args.page_size} tokens, but one request may grow to "
+                f"--max-seq-len {args.max_seq_len} tokens ({pages} pages): give --max-pages "
+                f"{pages} or more, or a smaller --max-seq-len"
+            )
+    return None
+
+
+def check_model(args: argparse.Namespace, config: Any) -> str | None:
+    """What is wrong with the settings for this model, or None."""
+    limit = config.max_position_embeddings
+    if args.max_seq_len > limit:
+        return (
+            f"--max-seq-len {args.max_seq_len} is more than the model's {limit} positions "
+            "(max_position_embeddings in its config.json)"
+        )
+    return None
+
+
+def build_model(package: Any, ckpt: Any, args: argparse.Namespace) -> Any:
+    """The solution's Qwen3Model with these settings (compiled or not)."""
+    if args.compile:
+        return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, compiled=True)
+    return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len)
+
+
+def make_pools(model: Any, args: argparse.Namespace) -> list | None:
+    """A page pool per layer when pages were asked for (call after model.shard, so that
+    each rank's pools hold its own KV heads), else None: dense caches."""
+    if args.page_size is None:
+        return None
+    return model.create_kv_pools(args.page_size, args.max_pages, read_in_place=args.read_in_place)
+
+
+def batch_keywords(args: argparse.Namespace, pools: list | None) -> dict[str, Any]:
+    """batch_generate's keywords for these settings, beyond the 3.1 ones."""
+    keywords: dict[str, Any] = {}
+    if args.policy != "alternate":
+        keywords["policy"] = args.policy
+    if pools is not None:
+        keywords["pools"] = pools
+    return keywords
+
+
+def describe(args: argparse.Namespace) -> str:
+    """One line: the policy, compilation and the KV storage."""
+    if args.policy == "hybrid":
+        policy = f"hybrid policy (one pass: decode rows + prompt chunks, {args.prefill_step} rows)"
+    else:
+        policy = "alternate policy (a prefill chunk, then a decode pass)"
+    compiled = "compiled, padded chunks" if args.compile else "eager"
+    if args.page_size is None:
+        kv = "dense KV caches"
+    else:
+        pages = f"pages of {args.page_size} tokens"
+        if args.max_pages is not None:
+            pages = f"{args.max_pages} {pages} ({args.max_pages * args.page_size} in all)"
+        read = "read in place" if args.read_in_place else "gathered"
+        kv = f"paged KV: {pages} per layer, {read}"
+    return f"scheduler: {policy}, {compiled}, {kv}"
+
+
+def unfinished_hint(args: argparse.Namespace, error: NotImplementedError) -> str:
+    """A way around a missing exercise that is only a setting's."""
+    if args.read_in_place and "Week 3 Day 5" in str(error):
+        return "; --gather serves the pages without Week 3 Day 5"
+    return ""
+
+
+def summary_lines(model: Any, pools: list | None) -> list[str]:
+    """What the settings did over the run: compilations, the pool's peak."""
+    lines = []
+    stats = model.compile_stats() if getattr(model, "compiled", False) else None
+    if stats:
+        lines.append(
+            f"compiled: {stats['compiles']} variants compiled, {stats['hits']} reused, "
+            f"{stats['evictions']} evicted (a variant per input shape, Week 3 Day 3)"
+        )
+    if pools:
+        pool = pools[0]
+        limit = f" of {pool.max_pages}" if pool.max_pages is not None else ""
+        lines.append(
+            f"pages: at most {pool.peak_in_use}{limit} in use per layer, {pool.num_in_use} "
+            f"at the end, {pool.num_allocations} handed out in all"
+        )
+    return lines
