@@ -11,8 +11,8 @@ import tiny_llm_support as support
 from tiny_llm_support import (
     OPENBLAS_HINT,
     SHORTCUTS,
-    ModelNotAvailableError,
     CheckpointError,
+    ModelNotAvailableError,
     Qwen3Config,
     StreamingDetokenizer,
     blas_info,
