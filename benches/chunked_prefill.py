@@ -36,6 +36,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tiny_llm_support import startup
+
+startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
 import mlx.core as mx
 from chunked_prefill_report import plot, summary_table
 from common import (
@@ -53,7 +58,7 @@ from common import (
 )
 from trace_run import Trace, WrongOutput, make_trace, serve, warmup_trace
 
-from tiny_llm_support import choose_device, gpu_available
+from tiny_llm_support import CheckpointError, choose_device, gpu_available
 from tiny_llm_support.batch_recorder import StepError
 from tiny_llm_support.cli import (
     SOLUTIONS,
@@ -65,7 +70,7 @@ from tiny_llm_support.cli import (
 )
 
 SCHEMA = "tiny-llm/bench-chunked-prefill/v1"
-EXIT_UNFINISHED = 3  # a child reached an exercise that is not written yet (it said which)
+EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
 
 # The per-run numbers that are aggregated (median over runs) for each budget.
 SCALAR_METRICS = (
@@ -102,10 +107,13 @@ def child_main(spec_path: str) -> int:
         result = measure_one(spec, args)
     except NotImplementedError as e:
         print(unfinished_message(args.solution, e), file=sys.stderr)
-        return EXIT_UNFINISHED
+        return EXIT_REPORTED
+    except CheckpointError as e:  # weights the parent could not check without loading them
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REPORTED
     except (StepError, WrongOutput) as e:
         print(f"error: {SOLUTIONS[args.solution]}.batch_generate: {e}", file=sys.stderr)
-        return 1
+        return EXIT_REPORTED
     write_json(spec["output"], result)
     return 0
 
@@ -286,6 +294,7 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
     warm = warmup_trace(args, model)
     sha = trace.sha256()
     env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
+    env[startup.QUIET_ENV] = "1"  # on Ctrl-C the runs stop without a word: this process says it
     plan = plan_runs(args.prefill_steps, args.repeats)
     log(
         f"model {model.name} ({model.source}, {model.num_layers} layers, "
@@ -339,8 +348,8 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
                 stdout=subprocess.DEVNULL,
             )
             elapsed = time.perf_counter() - t
-            if proc.returncode == EXIT_UNFINISHED:
-                raise SystemExit(1)  # the run said which exercise is missing
+            if proc.returncode == EXIT_REPORTED:
+                raise SystemExit(1)  # the run said what went wrong, on one line
             if proc.returncode != 0:
                 raise SystemExit(
                     f"run {k + 1}/{len(plan)} (prefill step {budget}, repeat {repeat + 1}) "
@@ -430,4 +439,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(startup.run(main))

@@ -42,7 +42,8 @@ from tiny_llm_support import (
     random_weights,
     resolve_model,
 )
-from tiny_llm_support.checkpoint_files import read_json_object
+from tiny_llm_support.checkpoint import safetensors_files
+from tiny_llm_support.checkpoint_files import CheckpointError, check_safetensors, read_json_object
 from tiny_llm_support.cli import DEVICES, DTYPES, add_solution_argument, int_at_least
 
 RESULTS = Path(__file__).resolve().parent / "results"  # where the benchmarks write JSON
@@ -256,6 +257,9 @@ def resolve_bench_model(
         config = _read_config(checkpoint_dir / "config.json")
         if (checkpoint_dir / "tokenizer.json").is_file():
             tokenizer = load_tokenizer(checkpoint_dir)
+        if not random:
+            for file in safetensors_files(checkpoint_dir):
+                check_safetensors(file)  # here, before a run would find it truncated
 
     original = int(config["num_hidden_layers"])
     layers = original if num_layers is None else num_layers
@@ -327,7 +331,8 @@ def add_model_arguments(p: argparse.ArgumentParser, default_model: str) -> argpa
 
 def bench_model_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
     """The model group's checks and the model it names (no weights read); a bad choice exits
-    through argparse. Also refuses an output path that is a directory."""
+    through argparse, a checkpoint that cannot be read with one line. Also refuses an output
+    path that is a directory."""
     if args.device == "gpu" and not gpu_available():
         p.error("--device gpu: MLX has no Metal or CUDA device here")
     for path in (args.json_output, getattr(args, "plot_output", None)):
@@ -337,6 +342,8 @@ def bench_model_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) 
         return resolve_bench_model(
             args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
         )
+    except CheckpointError as e:  # not a usage error: the files are at fault
+        raise SystemExit(f"error: {e}") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         p.error(f"--model {args.model}: {e}")
 
