@@ -19,7 +19,8 @@ import time
 
 from tiny_llm_support import startup
 
-startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
 from tiny_llm_support import (

@@ -38,7 +38,8 @@ from typing import Any
 
 from tiny_llm_support import startup
 
-startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
 import mlx.core as mx

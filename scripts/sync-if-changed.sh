@@ -6,16 +6,26 @@
 #
 #   sh scripts/sync-if-changed.sh {pdm}
 #
-# The arguments are the pdm that runs the hook (pdm passes `{pdm}`: its own Python and
-# `-m pdm`), so the hook works when pdm is not on PATH. Run from the project's root.
+# pdm expands {pdm} to the command that runs itself, `<its Python> -m pdm`, so the hook works
+# when pdm is not on PATH. Ctrl-C during the sync prints `interrupted` and exits with 130; the
+# next command syncs again. Run from the project's root (pdm runs hooks there).
 
 trap 'echo interrupted >&2; exit 130' INT
 stamp="${VIRTUAL_ENV:-.venv}/.tiny-llm-synced"
 if cat pdm.lock pyproject.toml | cmp -s - "$stamp" 2>/dev/null; then
     exit 0
 fi
-"$@" sync --quiet -G dev -G book || exit $?
-stamp="${VIRTUAL_ENV:-.venv}/.tiny-llm-synced"
+rm -f "$stamp"
+# pdm's own main, so that Ctrl-C ends it without a traceback
+"$1" -c '
+import sys
+from pdm.core import main
+try:
+    main(sys.argv[1:])
+except KeyboardInterrupt:
+    sys.exit(130)
+' sync --quiet -G dev -G book || exit $?
+stamp="${VIRTUAL_ENV:-.venv}/.tiny-llm-synced"  # the first sync may have made .venv
 if [ -d "$(dirname "$stamp")" ]; then
     cat pdm.lock pyproject.toml > "$stamp"
 fi

@@ -46,8 +46,8 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
     ],
     "appendix-demo.md": [
         (r"^\d+\.\d s   passes .* tokens/s$", "a sample frame of the demo's screen, its layout"),
-        (r"^ +\d+\.\d+s (prefill|decode|finish) ", "sample lines of the demo's plain output"),
-        (r"huggingface_hub 0\.34", "a version"),
+        (r"^request \d+ finished: .*, first token after \d+\.\d+ s$", "the same sample frame"),
+        (r"^ +\d+\.\d+s pass +\d+  (prefill|decode|finish|request) ", "sample plain output"),
     ],
     "week3-03-shape-stable-prefill.md": [
         (

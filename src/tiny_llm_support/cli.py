@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
 from .checkpoint import DTYPES
-from .device import OPENBLAS_HINT, blas_info, reexec_with_openblas
+from .device import NO_OPENBLAS_ENV, OPENBLAS_HINT, blas_info, openblas_path, reexec_with_openblas
 from .models import SHORTCUTS, resolve_model
 
 __all__ = [
@@ -132,7 +133,13 @@ def cpu_hints(device: str, dtype: str) -> list[str]:
     hints = []
     if device == "cpu" and sys.platform.startswith("linux"):
         if blas_info()["blas"].startswith("reference"):
-            hints.append(f"hint: {OPENBLAS_HINT}")
+            if openblas_path() is None:
+                hints.append(f"hint: {OPENBLAS_HINT}")
+            elif os.environ.get(NO_OPENBLAS_ENV):
+                hints.append(
+                    f"hint: {NO_OPENBLAS_ENV} is set, so float32 matmul runs on the slow "
+                    f"bundled BLAS; without it OpenBLAS ({openblas_path()}) is loaded by itself"
+                )
     if device == "cpu" and dtype != "float32":
         hints.append(f"hint: {dtype} matmul is slow on the CPU; --dtype float32 is faster")
     return hints

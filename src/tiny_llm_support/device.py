@@ -15,10 +15,10 @@ OPENBLAS_PATHS = (
 )
 
 OPENBLAS_HINT = (
-    "On Linux the mlx[cpu] wheel uses its bundled reference BLAS: fp32 matmul runs at about "
-    "5 GFLOP/s. Install OpenBLAS (`sudo apt-get install libopenblas0-pthread`) and run with "
-    "`LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3` for about "
-    "194 GFLOP/s on 2 cores. bf16 matmul stays slow on the CPU either way: use float32."
+    "On Linux the mlx[cpu] wheel runs float32 matmul on its bundled reference BLAS, about "
+    "5 GFLOP/s. Install OpenBLAS with `sudo apt-get install libopenblas0-pthread`: the demo and "
+    "the benchmarks then load it by themselves (about 194 GFLOP/s on 2 cores). bf16 matmul "
+    "stays slow on the CPU either way: use float32."
 )
 
 

@@ -21,6 +21,8 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 from typing import IO
 
@@ -90,32 +92,53 @@ def launch(
     """Run `python command...` as `ranks` processes and return mlx.launch's exit status.
 
     Ranks on this machine get OPENBLAS_NUM_THREADS = cores / ranks unless it is set already.
-    output: where the ranks' stdout and stderr go (None: this process's own). On a timeout
-    every process of the launch is stopped and subprocess.TimeoutExpired is raised.
+    output: where the ranks' stdout and stderr go (None: this process's own). On a timeout or
+    Ctrl-C every process of the launch is stopped before the exception goes on.
+    mlx.launch writes a pid file and a host file per rank with mktemp and leaves them: here
+    they go to a temporary directory of the launch's own, removed at the end.
     """
     cmd = launch_command(command, ranks, hostfile)
     env = dict(os.environ)
     if hostfile is None:  # every rank on this machine: share its cores instead of each taking all
         env.setdefault(BLAS_THREADS_ENV, str(max(1, (os.cpu_count() or 1) // ranks)))
-    # mlx.launch forwards its stdin to the ranks and polls it; a pipe that stays open until
-    # the end keeps that poll waiting (at end of file it would spin on a core).
-    proc = subprocess.Popen(
-        cmd,
-        stdin=subprocess.PIPE,
-        env=env,
-        stdout=output,
-        stderr=subprocess.STDOUT if output is not None else None,
-        start_new_session=True,  # its own process group: the ranks can be stopped with it
-    )
-    try:
-        return proc.wait(timeout)
-    except BaseException:  # a timeout, or Ctrl-C here: stop the launcher and every rank
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait()
-        raise
-    finally:
-        proc.stdin.close()
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-ranks-") as tmp:
+        env["TMPDIR"] = tmp
+        # mlx.launch forwards its stdin to the ranks and polls it; a pipe that stays open until
+        # the end keeps that poll waiting (at end of file it would spin on a core).
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            env=env,
+            stdout=output,
+            stderr=subprocess.STDOUT if output is not None else None,
+            start_new_session=True,  # its own process group: the ranks can be stopped with it
+        )
+        try:
+            return proc.wait(timeout)
+        except BaseException:  # a timeout, or Ctrl-C here: stop the launcher and every rank
+            stop_group(proc)
+            raise
+        finally:
+            proc.stdin.close()
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """Stop every process of proc's process group (the launcher and its ranks): SIGTERM,
+    then SIGKILL for any still there after grace_s seconds."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait()
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(proc.pid, 0)  # raises once no process of the group is left
+        except ProcessLookupError:
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
+        time.sleep(0.02)
 
 
 def relaunch_as_ranks(ranks: int, hostfile: str | Path | None = None) -> int:

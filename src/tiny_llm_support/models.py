@@ -116,7 +116,6 @@ def _not_available_message(repo_id: str, cause: object) -> str:
         cause = f"{type(cause).__name__}: {detail[0] if detail else ''}"
     return (
         f"Model {repo_id} is not in the local Hugging Face cache and could not be downloaded "
-        f"({str(cause)[:300]}). Fetch it while online with `hf download {repo_id}` "
-        f"(older huggingface_hub: `huggingface-cli download {repo_id}`), "
+        f"({str(cause)[:300]}). Fetch it while online with `pdm run hf download {repo_id}` "
         "or use `--model tiny`, which works offline."
     )

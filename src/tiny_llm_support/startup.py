@@ -1,11 +1,13 @@
 """How an entry point (main.py, batch-main.py, a benchmark) starts and ends: Ctrl-C at any
 moment prints `interrupted` and exits with status 130, and an MLX that cannot be imported gets
 one line saying why and what repairs it. Standard library only: an entry point calls start()
-before it imports MLX (this package's __init__ imports nothing until a name is used).
+before it imports MLX (this package's __init__ imports nothing until a name is used), and only
+when it runs as a script, so that a test importing it keeps its own Ctrl-C.
 
     from tiny_llm_support import startup
 
-    startup.start()  # before the imports that load MLX
+    if __name__ == "__main__":
+        startup.start()  # before the imports that load MLX
     import mlx.core as mx  # noqa: E402
     ...
     if __name__ == "__main__":
