@@ -273,6 +273,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     device = choose_device(args.device)
     bench_model = resolve_bench_model(args.model, random=True, num_layers=args.num_layers)
+    longest = max(args.prefill_tokens, max(args.contexts) + args.decode_steps)
+    limit = int(bench_model.config["max_position_embeddings"])
+    if longest > limit:
+        sys.exit(
+            f"error: {longest} positions (--prefill-tokens, or --contexts + --decode-steps) "
+            f"exceed the model's max_position_embeddings ({limit})"
+        )
     report: dict[str, Any] = {
         "schema": SCHEMA,
         "host": host_info(),

@@ -234,6 +234,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker_ranks is not None:
         return worker(args)
     config = bench_model(args).qwen3_config
+    longest = max(args.prefill_len, args.context + args.decode_steps + 2)
+    if longest > config.max_position_embeddings:
+        sys.exit(
+            f"error: {longest} positions (--prefill-len, or --context + --decode-steps) exceed "
+            f"the model's max_position_embeddings ({config.max_position_embeddings})"
+        )
     for ranks in args.ranks:
         for size, what in [
             (config.num_attention_heads, "num_attention_heads"),
