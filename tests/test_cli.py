@@ -264,18 +264,21 @@ def test_ctrl_c_while_serving(tmp_path):
     ctrl_c(proc, tmp_path)
 
 
-def test_ctrl_c_while_loading(tmp_path):
-    """The signal arrives while the checkpoint loads (load_checkpoint sends it to itself)."""
+def interrupt_inside(tmp_path: Path, module: str, name: str, argv: list[str]):
+    """Run argv[0] as a script whose `module.name` first calls the original, then sends the
+    process SIGINT and waits: Ctrl-C at a chosen moment, without timing."""
     driver = tmp_path / "driver.py"
     driver.write_text(
-        "import os, runpy, signal, sys, time\n"
-        "import tiny_llm_support.checkpoint as checkpoint\n"
-        "def loading(*args, **kwargs):\n"
+        "import importlib, os, runpy, signal, sys, time\n"
+        f"module = importlib.import_module({module!r})\n"
+        f"original = getattr(module, {name!r})\n"
+        "def interrupted(*args, **kwargs):\n"
+        "    original(*args, **kwargs)\n"
         "    os.kill(os.getpid(), signal.SIGINT)\n"
         "    time.sleep(30)\n"
-        "checkpoint.load_checkpoint = loading\n"
-        f"sys.argv = {TOOLS['batch-main']!r}\n"
-        "runpy.run_path('batch-main.py', run_name='__main__')\n"
+        f"setattr(module, {name!r}, interrupted)\n"
+        f"sys.argv = {argv!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
     )
     result = subprocess.run(
         [sys.executable, str(driver)], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
@@ -283,30 +286,20 @@ def test_ctrl_c_while_loading(tmp_path):
     )  # fmt: skip
     assert result.returncode == INTERRUPTED, result.stderr[-3000:]
     assert result.stderr.strip() == "interrupted"
+    return result
+
+
+def test_ctrl_c_while_loading(tmp_path):
+    """The signal arrives once the checkpoint is read, before the model is built."""
+    result = interrupt_inside(
+        tmp_path, "tiny_llm_support.checkpoint", "load_checkpoint", TOOLS["batch-main"]
+    )
     assert "model:" not in result.stdout
 
 
 def test_ctrl_c_while_importing(tmp_path):
-    """The signal arrives as the imports begin (startup.start() sends it to itself)."""
-    driver = tmp_path / "driver.py"
-    driver.write_text(
-        "import os, runpy, signal, sys, time\n"
-        "from tiny_llm_support import startup\n"
-        "started = startup.start\n"
-        "def start():\n"
-        "    started()\n"
-        "    os.kill(os.getpid(), signal.SIGINT)\n"
-        "    time.sleep(30)\n"
-        "startup.start = start\n"
-        "sys.argv = ['main.py']\n"
-        "runpy.run_path('main.py', run_name='__main__')\n"
-    )
-    result = subprocess.run(
-        [sys.executable, str(driver)], cwd=ROOT, env=env_for(tmp_path), capture_output=True,
-        text=True, timeout=60,
-    )  # fmt: skip
-    assert result.returncode == INTERRUPTED, result.stderr[-3000:]
-    assert result.stderr.strip() == "interrupted"
+    """The signal arrives as the imports that load MLX begin (after startup.start())."""
+    interrupt_inside(tmp_path, "tiny_llm_support.startup", "start", ["main.py"])
 
 
 def test_ctrl_c_in_the_benchmark_stops_parent_and_run(tmp_path):
