@@ -30,19 +30,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import common
 import mlx.core as mx
-from common import (
-    RESULTS,
-    BenchModel,
-    add_model_arguments,
-    bench_model_from_args,
-    host_info,
-    log,
-    median,
-    mlx_info,
-    openblas_preload_env,
-    write_json,
-)
+from common import BenchModel, log, median
 from trace_run import NoTextTokenizer, make_trace
 
 from tiny_llm_support import choose_device, mlx_lm_qwen3
@@ -90,12 +80,17 @@ class WidthSpy:
         return self.model(tokens, *args, **kwargs)
 
 
-def run_config(spec: dict[str, Any]) -> dict[str, Any]:
+def load(spec: dict[str, Any]) -> tuple[argparse.Namespace, Any, Any]:
+    """The run's arguments, the solution package and the checkpoint (weights read)."""
     args = argparse.Namespace(**spec["args"])
     choose_device(args.device)
-    api = load_solution(args.solution)
     ckpt = BenchModel.from_dict(spec["model"]).load(args.dtype)
     mx.eval(list(ckpt.weights.values()))
+    return args, load_solution(args.solution), ckpt
+
+
+def run_config(spec: dict[str, Any]) -> dict[str, Any]:
+    args, api, ckpt = load(spec)
     ladder_name, capacity = CONFIGS[spec["config"]]
     compiled = ladder_name != "eager"
     kwargs = {"compiled": True, "compile_capacity": capacity} if compiled else {}
@@ -166,11 +161,7 @@ def run_speeds(spec: dict[str, Any]) -> dict[str, Any]:
     """Prefill of one chunk-wide prompt and decode steps after it: eager, compiled, mlx-lm."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    args = argparse.Namespace(**spec["args"])
-    choose_device(args.device)
-    api = load_solution(args.solution)
-    ckpt = BenchModel.from_dict(spec["model"]).load(args.dtype)
-    mx.eval(list(ckpt.weights.values()))
+    args, api, ckpt = load(spec)
     prompt = mx.array([spec["prompts"][-1][: args.chunk_width]])
     length = prompt.shape[1]
     seq_len = length + args.decode_steps + 1
@@ -241,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compiles, evictions and memory of a compiled model under padding ladders.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    add_model_arguments(p, default_model="tiny")
+    common.add_model_arguments(p, default_model="tiny")
     b = p.add_argument_group("the experiment")
     b.add_argument("--chunk-width", type=int_at_least(1), default=512, help="prefill chunk (W)")
     b.add_argument("--seed", type=int_at_least(0), default=0, help="random weights")
@@ -260,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
 def child(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
     result = run_speeds(spec) if spec["config"] == "speeds" else run_config(spec)
-    write_json(spec["output"], result)
+    common.write_json(spec["output"], result)
     return 0
 
 
@@ -269,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
-    model = bench_model_from_args(parser, args)
+    model = common.bench_model_from_args(parser, args)
     args.dtype = args.dtype or default_dtype("cpu")
     started = time.time()
     lengths = [min(n, int(model.config["max_position_embeddings"]) - 64) for n in PROMPT_LENGTHS]
@@ -277,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
         make_trace(i, 1, (n, n), (1, 1), model.token_ids, model.excluded_ids).prompts[0]
         for i, n in enumerate(lengths)
     ]
-    env, _ = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
+    env, _ = (dict(os.environ), None) if args.no_openblas else common.openblas_preload_env()
     results, speeds = [], None
     with tempfile.TemporaryDirectory(prefix="bench-shape-stable-") as tmp:
         if model.random_weights:
@@ -319,15 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         "duration_s": time.time() - started,
         "command": [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])],
         "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": host_info(),
-        "mlx": mlx_info(),
+        "host": common.host_info(),
+        "mlx": common.mlx_info(),
         "model": description,
         "prompt_lengths": lengths,
         "configs": {r["config"]: r for r in results},
         "speeds": speeds,
     }
-    out = args.json_output or RESULTS / f"shape-stable-{model.name}-{model.num_layers}l.json"
-    write_json(out, report)
+    out = args.json_output or common.RESULTS / f"shape-stable-{model.name}-{model.num_layers}l.json"
+    common.write_json(out, report)
     log(f"wrote {out}")
     for r in results:
         log(

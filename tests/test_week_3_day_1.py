@@ -41,16 +41,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt):
-    return tiny_gqa_ckpt.tokenizer
-
-
-@pytest.fixture(scope="module")
 def oracle(impl, model, tokenizer):
     """oracle(prompt, max_seq_len, eos) -> the tokens one request alone generates greedily.
 
