@@ -294,3 +294,18 @@ def test_policies_pools_and_mlx_lm_runs(tiny_dir, tmp_path):
     assert [r["max_pages"] for r in report["budgets"]] == [peak, -(-peak // 2)]
     for row in report["budgets"]:
         assert row["median"]["peak_pages"] <= row["max_pages"]
+
+
+def test_shape_stable_bench(tiny_dir, tmp_path):
+    """bench-shape-stable on the tiny checkpoint: the 3-step ladder compiles at most three
+    prefill widths, nothing on the second pass, and generates the eager model's tokens."""
+    out = tmp_path / "shape.json"
+    cmd = [sys.executable, str(BENCHES / "shape_stable.py"), "--model", str(tiny_dir)]
+    cmd += ["--chunk-width", "32", "--new-tokens", "2", "--no-speeds", "--json-output", str(out)]
+    cmd += ["--configs", "eager", "3 steps, cap 4", "no padding, cap 4"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    configs = json.loads(out.read_text())["configs"]
+    three = configs["3 steps, cap 4"]
+    assert len(three["prefill_widths"]) <= 3 and three["second_pass_compiles"] == 0
+    assert three["tokens_equal_eager"] and configs["no padding, cap 4"]["tokens_equal_eager"]
+    assert configs["no padding, cap 4"]["second_pass_compiles"] > 0
