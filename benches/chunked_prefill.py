@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -57,9 +58,9 @@ from common import (
     openblas_preload_env,
     write_json,
 )
-from trace_run import Trace, WrongOutput, make_trace, serve, warmup_trace
+from trace_run import Trace, WrongOutput, make_trace, serve, serve_mlx_lm, warmup_trace
 
-from tiny_llm_support import CheckpointError, choose_device, gpu_available
+from tiny_llm_support import CheckpointError, choose_device, gpu_available, mlx_lm_qwen3
 from tiny_llm_support.batch_recorder import StepError
 from tiny_llm_support.cli import (
     SOLUTIONS,
@@ -71,6 +72,7 @@ from tiny_llm_support.cli import (
 )
 
 SCHEMA = "tiny-llm/bench-chunked-prefill/v1"
+POLICIES = ("alternate", "hybrid", "mlx-lm")  # batch_generate's policies, and mlx-lm's server
 EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
 
 # The per-run numbers that are aggregated (median over runs) for each budget.
@@ -88,16 +90,32 @@ SCALAR_METRICS = (
     "ttft_ms_p95",
     "prefill_chunks",
     "decode_steps",
+    "preemptions",
+    "recomputed_tokens",
+    "refused",
+    "peak_pages",
 )
 
 
 # --- one run: the settings and the child process ------------------------------------------
 
 
-def batch_options(args: argparse.Namespace, prefill_step: int) -> dict[str, Any]:
+def batch_options(args: argparse.Namespace, setting: dict[str, Any]) -> dict[str, Any]:
     """The scheduler settings of one run, as batch_generate keywords. A new setting of the
-    solution's scheduler (a policy, compiled passes, a page budget) joins here."""
-    return {"batch_size": args.batch_size, "prefill_step": prefill_step}
+    solution's scheduler joins here."""
+    options = {"batch_size": args.batch_size, "prefill_step": setting["prefill_step"]}
+    if setting["policy"] != "alternate":  # a solution before Week 3 Day 4 has no policy keyword
+        options["policy"] = setting["policy"]
+    return options
+
+
+def make_pools(model: Any, args: argparse.Namespace, setting: dict[str, Any]) -> list | None:
+    """Paged pools of --page-size pages (setting's max_pages, None: unbounded), or None for
+    dense caches."""
+    if not args.page_size:
+        return None
+    kwargs = {"read_in_place": True} if args.read_in_place else {}
+    return model.create_kv_pools(args.page_size, setting["max_pages"], **kwargs)
 
 
 def child_main(spec_path: str) -> int:
@@ -130,20 +148,34 @@ def measure_one(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     warm = Trace(**spec["warmup_trace"])
     ckpt = BenchModel.from_dict(spec["model"]).load(args.dtype)
     mx.eval(list(ckpt.weights.values()))  # mx.load is lazy: read the weights now, not in a run
-    model = api.Qwen3Model(ckpt, max_seq_len=max(trace.max_seq_len, warm.max_seq_len))
+    setting = spec["setting"]
+    if setting["policy"] == "mlx-lm":
+        model = mlx_lm_qwen3(ckpt)
+        run = lambda t: serve_mlx_lm(model, t, args.batch_size, setting["prefill_step"])
+        options, pools = {}, None
+    else:
+        seq_len = max(trace.max_seq_len, warm.max_seq_len)
+        model = api.Qwen3Model(
+            ckpt, max_seq_len=seq_len, **({"compiled": True} if args.compile else {})
+        )
+        options = batch_options(args, setting)
+        pools = make_pools(model, args, setting)
+        run = lambda t: serve(api, model, t, options, pools=pools)
     load_s = time.perf_counter() - t0
 
-    options = batch_options(args, spec["prefill_step"])
     warmup_s = []
     for _ in range(args.warmup):
         t = time.perf_counter()
-        serve(api, model, warm, options)
+        run(warm)
         warmup_s.append(time.perf_counter() - t)
     mx.reset_peak_memory()
-    result = serve(api, model, trace, options)
+    if pools is not None:
+        pools[0].peak_in_use = pools[0].num_in_use  # count the measured run's peak only
+    result = run(trace)
+    result["metrics"]["peak_pages"] = pools[0].peak_in_use if pools is not None else None
     result.update(
         {
-            "prefill_step": spec["prefill_step"],
+            **setting,
             "batch_generate": options,
             "repeat": spec["repeat"],
             "order": spec["order"],
@@ -187,6 +219,40 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--min-output-len", type=int_at_least(1), default=32)
     t.add_argument("--max-output-len", type=int_at_least(1), default=32)
     t.add_argument("--seed", type=int_at_least(0), default=0, help="the trace (and random weights)")
+    t.add_argument(
+        "--policy",
+        nargs="+",
+        choices=POLICIES,
+        default=["alternate"],
+        help="schedulers to compare: batch_generate's policies (hybrid: Week 3 Day 4), and "
+        "mlx-lm's BatchGenerator on the same weights (one prompt at a time, its "
+        "prefill_step_size set to the budget)",
+    )
+    t.add_argument(
+        "--compile",
+        action="store_true",
+        help="Qwen3Model(compiled=True): compiled token-parallel halves, padded passes (Week 3 Day 3)",
+    )
+    t.add_argument(
+        "--page-size",
+        type=int_at_least(0),
+        default=0,
+        help="0: dense caches; N: paged pools of N-token pages",
+    )
+    t.add_argument(
+        "--pool-fractions",
+        type=float_at_least(0.01),
+        nargs="+",
+        default=None,
+        metavar="F",
+        help="with --page-size: pool sizes as fractions of the pages the trace holds at its "
+        "peak, measured first by a run with an unbounded pool (Week 3 Day 6)",
+    )
+    t.add_argument(
+        "--read-in-place",
+        action="store_true",
+        help="paged pools read their pages in place (Week 3 Day 5)",
+    )
     r = p.add_argument_group("runs and output")
     r.add_argument(
         "--warmup",
@@ -223,6 +289,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
         p.error(f"--min-input-len {args.min_input_len} > --max-input-len {args.max_input_len}")
     if args.min_output_len > args.max_output_len:
         p.error(f"--min-output-len {args.min_output_len} > --max-output-len {args.max_output_len}")
+    if args.pool_fractions and not args.page_size:
+        p.error("--pool-fractions needs --page-size")
+    if "mlx-lm" in args.policy and (args.page_size or args.compile or args.solution != "ref"):
+        p.error(
+            "the mlx-lm policy runs mlx-lm's own server: no --page-size, --compile, or tiny_llm"
+        )
     dupes = sorted({s for s in args.prefill_steps if args.prefill_steps.count(s) > 1})
     if dupes:
         p.error(f"--prefill-steps lists {', '.join(map(str, dupes))} more than once")
@@ -237,24 +309,34 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
     return model
 
 
-def plan_runs(budgets: Sequence[int], repeats: int) -> list[tuple[int, str, int]]:
-    """(repeat, order, budget) in launch order: repeat 0 forward, 1 reverse, 2 forward..."""
+def settings_of(policies, budgets, pool_sizes) -> list[dict[str, Any]]:
+    """Every (policy, budget, pool size) to run, policies first in the order given."""
+    return [
+        {"policy": policy, "prefill_step": budget, "max_pages": pages}
+        for policy in policies
+        for pages in pool_sizes
+        for budget in budgets
+    ]
+
+
+def plan_runs(settings: Sequence[Any], repeats: int) -> list[tuple[int, str, Any]]:
+    """(repeat, order, setting) in launch order: repeat 0 forward, 1 reverse, 2 forward..."""
     plan = []
     for r in range(repeats):
         order = "forward" if r % 2 == 0 else "reverse"
-        for budget in budgets if order == "forward" else list(reversed(budgets)):
-            plan.append((r, order, budget))
+        for setting in settings if order == "forward" else list(reversed(settings)):
+            plan.append((r, order, setting))
     return plan
 
 
-def aggregate(runs: list[dict[str, Any]], budgets: Sequence[int]) -> list[dict[str, Any]]:
-    """Per budget: the median, min and max over its runs of every scalar metric."""
+def aggregate(runs: list[dict[str, Any]], settings: Sequence[dict]) -> list[dict[str, Any]]:
+    """Per setting: the median, min and max over its runs of every scalar metric."""
     rows = []
-    for budget in budgets:
-        mine = [run["metrics"] for run in runs if run["prefill_step"] == budget]
-        row: dict[str, Any] = {"prefill_step": budget, "runs": len(mine)}
+    for setting in settings:
+        mine = [run["metrics"] for run in runs if all(run[k] == v for k, v in setting.items())]
+        row: dict[str, Any] = {**setting, "runs": len(mine)}
         for stat, fn in (("median", median), ("min", _min), ("max", _max)):
-            row[stat] = {k: fn(m[k] for m in mine) for k in SCALAR_METRICS}
+            row[stat] = {k: fn(m.get(k) for m in mine) for k in SCALAR_METRICS}
         rows.append(row)
     return rows
 
@@ -296,7 +378,8 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
     sha = trace.sha256()
     env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
     env[startup.QUIET_ENV] = "1"  # on Ctrl-C the runs stop without a word: this process says it
-    plan = plan_runs(args.prefill_steps, args.repeats)
+    settings = settings_of(args.policy, args.prefill_steps, [None])
+    plan = plan_runs(settings, args.repeats)
     log(
         f"model {model.name} ({model.source}, {model.num_layers} layers, "
         f"{model.parameter_count() / 1e6:.1f}M parameters, "
@@ -311,7 +394,8 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
         f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}"
     )
     log(
-        f"{len(plan)} runs: budgets {args.prefill_steps} x {args.repeats} repeats, "
+        f"{len(plan)} runs: policies {args.policy} x budgets {args.prefill_steps} x "
+        f"{args.repeats} repeats, "
         f"{args.warmup} warm-up run(s) each"
     )
 
@@ -328,44 +412,25 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
             "trace_sha256": sha,
             "warmup_trace": warm.to_dict(),
         }
-        for k, (repeat, order, budget) in enumerate(plan):
+        launch = lambda n, setting, repeat, order: run_child(
+            Path(tmp), n, len(plan), env, {**common, "setting": setting, "repeat": repeat, "order": order}
+        )  # fmt: skip
+        peak = None
+        if args.pool_fractions:  # how many pages the trace holds at its peak, pool unbounded
+            probe = {
+                "policy": args.policy[0],
+                "prefill_step": args.prefill_steps[0],
+                "max_pages": None,
+            }
+            peak = launch(-1, probe, 0, "probe")["metrics"]["peak_pages"]
+            sizes = [max(1, math.ceil(f * peak)) for f in args.pool_fractions]
+            log(f"the trace holds {peak} pages at its peak: pools of {sizes} pages")
+            settings = settings_of(args.policy, args.prefill_steps, sizes)
+            plan = plan_runs(settings, args.repeats)
+        for k, (repeat, order, setting) in enumerate(plan):
             if k and args.cooldown_seconds:
                 time.sleep(args.cooldown_seconds)
-            spec_path = Path(tmp) / f"run-{k}.json"
-            out_path = Path(tmp) / f"result-{k}.json"
-            spec = {
-                **common,
-                "prefill_step": budget,
-                "repeat": repeat,
-                "order": order,
-                "sequence": k,
-                "output": str(out_path),
-            }
-            spec_path.write_text(json.dumps(spec))
-            t = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--child-spec", str(spec_path)],
-                env=env,
-                stdout=subprocess.DEVNULL,
-            )
-            elapsed = time.perf_counter() - t
-            if proc.returncode == EXIT_REPORTED:
-                raise SystemExit(1)  # the run said what went wrong, on one line
-            if proc.returncode != 0:
-                raise SystemExit(
-                    f"run {k + 1}/{len(plan)} (prefill step {budget}, repeat {repeat + 1}) "
-                    f"failed with exit status {proc.returncode}; its error is above"
-                )
-            run = json.loads(out_path.read_text())
-            run["process_s"] = elapsed
-            runs.append(run)
-            mt = run["metrics"]
-            log(
-                f"[{k + 1}/{len(plan)}] prefill step {budget:>5}  repeat {repeat + 1} ({order})  "
-                f"{elapsed:6.1f} s in process, run {mt['wall_s']:6.2f} s  "
-                f"{mt['output_tokens_per_s']:7.2f} tok/s  "
-                f"p95 gap {_ms(mt['decode_gap_ms_p95'])}  blas {run['blas']['blas']}"
-            )
+            runs.append(launch(k, setting, repeat, order))
         model_description = model.describe()
 
     return {
@@ -400,10 +465,47 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
             "prompts": trace.prompts,
         },
         "warmup_trace": {"sha256": warm.sha256(), **warm.to_dict()},
-        "plan": [{"repeat": r, "order": o, "prefill_step": b} for r, o, b in plan],
+        "peak_pages_unbounded": peak,
+        "plan": [{"repeat": r, "order": o, **setting} for r, o, setting in plan],
         "runs": runs,
-        "budgets": aggregate(runs, args.prefill_steps),
+        "budgets": aggregate(runs, settings),
     }
+
+
+def run_child(
+    tmp: Path, k: int, total: int, env: dict[str, str], spec: dict[str, Any]
+) -> dict[str, Any]:
+    """One run in a fresh process: its result, with the time the whole process took."""
+    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
+    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
+    setting, repeat = spec["setting"], spec["repeat"]
+    what = f"{setting['policy']} prefill step {setting['prefill_step']}" + (
+        f" pool {setting['max_pages']}" if setting["max_pages"] else ""
+    )
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child-spec", str(spec_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
+    elapsed = time.perf_counter() - t
+    if proc.returncode == EXIT_REPORTED:
+        raise SystemExit(1)  # the run said what went wrong, on one line
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"run {k + 1}/{total} ({what}, repeat {repeat + 1}) failed with exit status "
+            f"{proc.returncode}; its error is above"
+        )
+    run = json.loads(out_path.read_text())
+    run["process_s"] = elapsed
+    mt = run["metrics"]
+    log(
+        f"[{k + 1}/{total}] {what}  repeat {repeat + 1} ({spec['order']})  "
+        f"{elapsed:6.1f} s in process, run {mt['wall_s']:6.2f} s  "
+        f"{mt['output_tokens_per_s']:7.2f} tok/s  "
+        f"p95 gap {_ms(mt['decode_gap_ms_p95'])}  blas {run['blas']['blas']}"
+    )
+    return run
 
 
 def _device_name(requested: str) -> str:

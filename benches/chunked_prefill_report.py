@@ -11,14 +11,16 @@ from common import log
 
 def summary_table(report: dict[str, Any]) -> str:
     header = (
-        f"{'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
+        f"{'policy':>9} {'pool':>5} {'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
         f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
         f"{'ttft p50':>9} {'chunks':>6}"
     )
     lines = [header]
     for row in report["budgets"]:
         m = row["median"]
+        pool = row.get("max_pages") or "-"
         lines.append(
+            f"{row.get('policy', 'alternate'):>9} {pool:>5} "
             f"{row['prefill_step']:>7} {row['runs']:>4} {m['output_tokens_per_s']:>8.2f} "
             f"{m['requests_per_s']:>6.3f} {m['wall_s']:>7.2f} "
             f"{_num(m['decode_step_ms_median'])} {_num(m['decode_gap_ms_median'])} "
@@ -45,26 +47,32 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         return None
     rows = [r for r in report["budgets"] if r["median"]["decode_gap_ms_p95"] is not None]
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
-    xs = [r["median"]["output_tokens_per_s"] for r in rows]
-    ys = [r["median"]["decode_gap_ms_p95"] for r in rows]
-    xerr = [
-        [x - r["min"]["output_tokens_per_s"] for x, r in zip(xs, rows)],
-        [r["max"]["output_tokens_per_s"] - x for x, r in zip(xs, rows)],
-    ]
-    yerr = [
-        [y - r["min"]["decode_gap_ms_p95"] for y, r in zip(ys, rows)],
-        [r["max"]["decode_gap_ms_p95"] - y for y, r in zip(ys, rows)],
-    ]
-    ax.plot(xs, ys, color="0.7", linewidth=1, zorder=1)
-    ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o", capsize=3, zorder=2)
-    for x, y, r in zip(xs, ys, rows):
-        ax.annotate(
-            f"prefill {r['prefill_step']}",
-            (x, y),
-            textcoords="offset points",
-            xytext=(6, 6),
-            fontsize=9,
-        )
+    series: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:  # one line per scheduler (and pool size), one point per budget
+        series.setdefault((r.get("policy", "alternate"), r.get("max_pages")), []).append(r)
+    for (policy, pages), mine in series.items():
+        xs = [r["median"]["output_tokens_per_s"] for r in mine]
+        ys = [r["median"]["decode_gap_ms_p95"] for r in mine]
+        xerr = [
+            [x - r["min"]["output_tokens_per_s"] for x, r in zip(xs, mine)],
+            [r["max"]["output_tokens_per_s"] - x for x, r in zip(xs, mine)],
+        ]
+        yerr = [
+            [y - r["min"]["decode_gap_ms_p95"] for y, r in zip(ys, mine)],
+            [r["max"]["decode_gap_ms_p95"] - y for y, r in zip(ys, mine)],
+        ]
+        label = policy + (f", pool {pages} pages" if pages else "")
+        ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o-", capsize=3, label=label)
+        for x, y, r in zip(xs, ys, mine):
+            ax.annotate(
+                str(r["prefill_step"]),
+                (x, y),
+                textcoords="offset points",
+                xytext=(6, 6),
+                fontsize=8,
+            )
+    if len(series) > 1:
+        ax.legend(fontsize=8)
     model = report["model"]
     ax.set_xlabel("output throughput (tokens/s)")
     ax.set_ylabel("p95 decode gap (ms)")

@@ -101,10 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     m = add_model_arguments(p, default_model="qwen3-0.6b")
     m.add_argument(
         "--batch-cache",
-        choices=("dense", "batching"),
+        choices=("dense", "batching", "ragged"),
         default="dense",
         help="the course's cache for decode batches > 1: one dense cache of batch B "
-        "per layer, or a BatchingKvCache over B one-row dense caches",
+        "per layer, a BatchingKvCache over B one-row dense caches (alternate policy), or B "
+        "one-row caches read by forward_ragged (hybrid policy, Week 3 Day 4)",
     )
     w = p.add_argument_group("workload")
     for flag, default, what in (
@@ -302,11 +303,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "dtype": args.dtype,
         "solution": SOLUTIONS[label],
         "solution_label": label,
-        "ref_batch_cache": (
-            "one dense TinyKvFullCache of batch B per layer"
-            if args.batch_cache == "dense"
-            else "BatchingKvCache over B one-row TinyKvFullCaches per layer"
-        ),
+        "ref_batch_cache": {
+            "dense": "one dense TinyKvFullCache of batch B per layer",
+            "batching": "BatchingKvCache over B one-row TinyKvFullCaches per layer",
+            "ragged": "B one-row TinyKvFullCaches read by forward_ragged (the hybrid pass)",
+        }[args.batch_cache],
         "mlx_lm_cache": "make_prompt_cache: KVCache, preallocated 256 positions at a time",
         "model": model.describe(),
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

@@ -124,6 +124,12 @@ class RefImpl:
 
     def decode_cache(self, kv: list[tuple[mx.array, mx.array]]) -> tuple[list, int | list[int]]:
         b, s = kv[0][0].shape[0], kv[0][0].shape[2]
+        if self.batch_cache == "ragged":  # one dense cache per row, read by forward_ragged
+            rows = [self.model.create_kv_cache() for _ in range(b)]
+            for layer, (k, v) in enumerate(kv):
+                for row in range(b):
+                    rows[row][layer].update_and_fetch(k[row : row + 1], v[row : row + 1])
+            return rows, [s] * b
         if self.batch_cache == "batching" and b > 1:
             caches = []
             for k, v in kv:
@@ -140,6 +146,10 @@ class RefImpl:
         return caches, s
 
     def decode_step(self, tokens: mx.array, cache: list, offset: int | list[int]):
+        if self.batch_cache == "ragged":  # the hybrid policy's pass: rows side by side
+            segments = [self.pkg.Segment(rows, b, 1) for b, rows in enumerate(cache)]
+            logits = self.pkg.forward_ragged(self.model, tokens.reshape(1, -1), segments)
+            return logits.swapaxes(0, 1), [o + 1 for o in offset]  # [B, 1, V]
         logits = self.model(tokens, offset, cache)  # [B, 1, V]
         nxt = offset + 1 if isinstance(offset, int) else [o + 1 for o in offset]
         return logits, nxt
@@ -176,6 +186,8 @@ class MlxLmImpl:
 def cache_arrays(cache: list) -> list[mx.array]:
     """The storage of every layer cache (dense, batching or mlx-lm), evaluated with a step."""
     found: list[mx.array] = []
+    if cache and isinstance(cache[0], list):  # ragged: one list of layer caches per row
+        return [a for rows in cache for a in cache_arrays(rows)]
     for c in cache:
         parts = [s for s in c.slots if s is not None] if hasattr(c, "slots") else [c]
         for p in parts:

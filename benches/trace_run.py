@@ -14,7 +14,7 @@ import hashlib
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -135,9 +135,11 @@ def serve(
     trace: Trace,
     options: dict[str, Any],
     clock: Callable[[], float] = time.perf_counter,
+    pools: list | None = None,
 ) -> dict[str, Any]:
     """Serve `trace` with `api.batch_generate` (api: tiny_llm_ref or tiny_llm) under the
-    scheduler settings `options` (batch_generate keywords) and measure it.
+    scheduler settings `options` (batch_generate keywords), with the caches in `pools` when
+    given (paged), and measure it.
 
     Returns {"metrics": scalar numbers, "raw": per-step and per-request times in seconds}.
     """
@@ -147,24 +149,115 @@ def serve(
         "max_new_tokens": trace.output_budgets,
         "ignore_eos": True,
         "on_step": rec.on_step,
+        "pools": pools,
     }
     api.batch_generate(model, NoTextTokenizer(), trace.prompts, **fixed, **options)
+    return measured(rec, trace, "batch_generate")
+
+
+def serve_mlx_lm(
+    model: Any,
+    trace: Trace,
+    batch_size: int,
+    prefill_step: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Serve `trace` with mlx-lm's BatchGenerator on an mlx-lm model: `batch_size` decode
+    slots, one prompt prefilled at a time in chunks of `prefill_step`, no stop tokens.
+
+    Each call of its next() is one decode step for the running requests followed by one
+    prompt chunk; it is reported to the recorder as one pass holding both, so decode gaps
+    include the chunk work, as for the course's alternate policy.
+    """
+    from mlx_lm.generate import BatchGenerator
+
+    rec = BatchRecorder(clock)
+    gen = BatchGenerator(
+        model,
+        max_tokens=max(trace.output_budgets),
+        completion_batch_size=batch_size,
+        prefill_batch_size=1,
+        prefill_step_size=prefill_step,
+    )
+    uids = gen.insert(trace.prompts, list(trace.output_budgets))
+    seen = {uid: _Seen(i, prompt) for i, (uid, prompt) in enumerate(zip(uids, trace.prompts))}
+    done, passes = 0, 0
+    while done < len(uids):
+        prompt_responses, generation_responses = gen.next()
+        passes += 1
+        running = [r for r in seen.values() if r.generated and r.finished is False]
+        for response in prompt_responses:
+            request = seen[response.uid]
+            tokens = response.progress[0] - request.prefilled
+            request.prefilled = response.progress[0]
+            if tokens > 0:
+                rec.on_step(_Step("prefill", request, running, tokens, passes))
+        for response in generation_responses:
+            seen[response.uid].generated.append(response.token)
+        decoding = [seen[r.uid] for r in generation_responses]
+        if decoding:
+            rec.on_step(_Step("decode", None, decoding, len(decoding), passes))
+        for response in generation_responses:
+            if response.finish_reason is not None:
+                seen[response.uid].finished = True
+                done += 1
+                rec.on_step(_Step("finish", seen[response.uid], running, 0, passes))
+    gen.close()
+    return measured(rec, trace, "mlx-lm's BatchGenerator")
+
+
+@dataclass
+class _Seen:
+    """A request of the trace as the mlx-lm run saw it, shaped like the course's Request for
+    the recorder."""
+
+    prompt_idx: int
+    prompt_tokens: list[int]
+    prefilled: int = 0
+    finished: bool = False
+    generated: list[int] = field(default_factory=list)
+    eos_token_ids: frozenset[int] = frozenset()
+
+
+@dataclass
+class _Step:
+    kind: str
+    request: Any
+    slots: list
+    tokens: int
+    forward_pass: int
+
+
+def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
+    """The run's numbers, once its server returned; every request must have generated exactly
+    its budget, except requests a bounded page pool refused."""
     rec.stop()
     n = len(trace.prompts)
+    refused = sorted(i for i, r in rec.requests.items() if r.stop == "refused")
     generated = [rec.requests[i].generated if i in rec.requests else 0 for i in range(n)]
-    if generated != trace.output_budgets:
+    want = [0 if i in refused else b for i, b in enumerate(trace.output_budgets)]
+    if generated != want:
         raise WrongOutput(
-            f"batch_generate generated {generated} tokens for budgets {trace.output_budgets}: "
+            f"{server} generated {generated} tokens for budgets {trace.output_budgets}: "
             "it must stop each request after exactly max_new_tokens, and ignore EOS when asked"
         )
-    return {"metrics": run_metrics(rec, trace), "raw": raw_times(rec, n)}
+    metrics = run_metrics(rec, trace)
+    metrics.update(
+        {
+            "refused": len(refused),
+            "preemptions": sum(r.preemptions for r in rec.requests.values()),
+            "recomputed_tokens": rec.prefill_tokens()
+            - sum(len(p) for i, p in enumerate(trace.prompts) if i not in refused),
+        }
+    )
+    return {"metrics": metrics, "raw": raw_times(rec, n)}
 
 
 def run_metrics(rec: BatchRecorder, trace: Trace) -> dict[str, Any]:
     """The run's numbers: throughput, decode steps and gaps, TTFT, prefill chunks (ms)."""
     steps = summarize([p.duration for p in rec.decode_passes()], 1e3)
     gaps = summarize([g.seconds for g in rec.decode_gaps()], 1e3)
-    first = summarize([r.ttft for r in rec.requests.values()], 1e3)
+    first = summarize([r.ttft for r in rec.requests.values() if r.ttft is not None], 1e3)
     chunks = summarize([p.duration for p in rec.prefill_passes()], 1e3)
     n = len(trace.prompts)
     return {
@@ -194,7 +287,7 @@ def run_metrics(rec: BatchRecorder, trace: Trace) -> dict[str, Any]:
 
 def raw_times(rec: BatchRecorder, n: int) -> dict[str, list[float | None]]:
     """Every decode step, decode gap and prefill chunk, and each request's TTFT and finish."""
-    requests = [rec.requests[i] for i in range(n)]
+    requests = [rec.requests[i] for i in range(n) if i in rec.requests]
     return {
         "decode_step_s": _rounded([p.duration for p in rec.decode_passes()]),
         "decode_gap_s": _rounded([g.seconds for g in rec.decode_gaps()]),

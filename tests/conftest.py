@@ -67,3 +67,14 @@ def tiny_untied_ckpt(tmp_path_factory):
 def tiny_ckpt(request, tiny_gqa_ckpt, tiny_untied_ckpt):
     """Both tiny checkpoints, one after the other."""
     return tiny_gqa_ckpt if request.param == "tied-gqa" else tiny_untied_ckpt
+
+
+@pytest.fixture(scope="module")
+def model(impl, tiny_gqa_ckpt):
+    """The package's Qwen3Model on the GQA checkpoint (Week 3 tests serve requests with it)."""
+    return impl.Qwen3Model(tiny_gqa_ckpt)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_gqa_ckpt):
+    return tiny_gqa_ckpt.tokenizer

@@ -41,16 +41,6 @@ PROMPTS = [
 
 
 @pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt):
-    return tiny_gqa_ckpt.tokenizer
-
-
-@pytest.fixture(scope="module")
 def oracle(impl, model, tokenizer):
     """oracle(prompt, max_seq_len, eos) -> the tokens one request alone generates greedily.
 
@@ -603,3 +593,27 @@ def test_fault_propagates_and_releases_everything(
     if paged:
         assert_pools_used(pools)
         assert_all_pages_free(pools, "after a fault the finally block must release every cache")
+
+
+def test_events_count_rows_and_number_the_passes(impl, model, tokenizer):
+    """Every prefill event gives the rows its chunk ran and every decode event its decode rows;
+    forward_pass counts the model calls (1, 2, 3, ...), so a view or a benchmark can tell which
+    events one pass produced."""
+    spy = ModelSpy(model)
+    log = StepLog()
+    prompts = PROMPTS[:5]
+    impl.batch_generate(
+        spy, tokenizer, prompts, max_seq_len=24, batch_size=2, prefill_step=WHOLE_PROMPT,
+        on_step=log,
+    )  # fmt: skip
+    work = [e for e in log.events if e.kind in ("prefill", "decode")]
+    assert [e.forward_pass for e in work] == list(range(1, len(spy.calls) + 1)), (
+        "each model call is one forward pass: BatchStep.forward_pass must count them 1, 2, 3, "
+        "... and a prefill or decode event carries the number of the call that did its work"
+    )
+    for event, call in zip(work, spy.calls):
+        rows = call.shape[0] if event.kind == "decode" else call.shape[1]
+        assert event.tokens == rows, (
+            f"a {event.kind} event reports tokens={event.tokens}, but its model call ran {rows} "
+            "rows: tokens is the chunk's length for prefill, the number of decode rows for decode"
+        )

@@ -25,18 +25,6 @@ from helpers import (
     release_all,
 )
 
-from tiny_llm_support import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt) -> Tokenizer:
-    return tiny_gqa_ckpt.tokenizer
-
 
 def make_cache(model, kind: str):
     """'dense' or 'paged-<page size>': a fresh per-layer cache (and its pools, if any)."""

@@ -20,16 +20,6 @@ from helpers import ModelSpy, assert_close, prompt_with_tokens, release_all
 PADDING_SWITCH = "TINY_LLM_PREFILL_QUERY_PADDING"
 
 
-@pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt):
-    return tiny_gqa_ckpt.tokenizer
-
-
 @pytest.fixture(autouse=True)
 def _no_padding_switch(monkeypatch):
     monkeypatch.delenv(PADDING_SWITCH, raising=False)

@@ -29,16 +29,6 @@ LENGTHS = (3, 9, 14, 22, 5, 30, 1)  # prompt token counts for the generation tes
 
 
 @pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt):
-    return tiny_gqa_ckpt.tokenizer
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer):
     return [prompt_with_tokens(tokenizer, n) for n in LENGTHS]
 

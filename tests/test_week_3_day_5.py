@@ -482,16 +482,6 @@ def test_batching_cache_over_dense_caches_keeps_the_padded_path(impl, tiny_gqa_c
         close(logits[i, -1], want, f"row {i} over a dense cache", atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt):
-    return tiny_gqa_ckpt.tokenizer
-
-
 def small_block_pools(model, page_size):
     """Pools read in place, whose attention walk reads one page (or 8 slots) per block."""
     pools = model.create_kv_pools(page_size=page_size, read_in_place=True)

@@ -20,16 +20,6 @@ NEW_TOKENS = 12  # with pages of 4 tokens a request holds at most ceil(26 / 4) =
 
 
 @pytest.fixture(scope="module")
-def model(impl, tiny_gqa_ckpt):
-    return impl.Qwen3Model(tiny_gqa_ckpt)
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_gqa_ckpt):
-    return tiny_gqa_ckpt.tokenizer
-
-
-@pytest.fixture(scope="module")
 def prompts(tokenizer):
     return [prompt_with_tokens(tokenizer, n) for n in LENGTHS]
 
