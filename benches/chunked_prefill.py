@@ -377,7 +377,6 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
     warm = warmup_trace(args, model)
     sha = trace.sha256()
     env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
-    env[startup.QUIET_ENV] = "1"  # on Ctrl-C the runs stop without a word: this process says it
     settings = settings_of(args.policy, args.prefill_steps, [None])
     plan = plan_runs(settings, args.repeats)
     log(
@@ -487,6 +486,7 @@ def run_child(
         [sys.executable, str(Path(__file__).resolve()), "--child-spec", str(spec_path)],
         env=env,
         stdout=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
     )
     elapsed = time.perf_counter() - t
     if proc.returncode == EXIT_REPORTED:

@@ -303,8 +303,9 @@ def test_ctrl_c_while_importing(tmp_path):
 
 
 def test_ctrl_c_in_the_benchmark_stops_parent_and_run(tmp_path):
-    """While a run's process serves the trace: one `interrupted` (the run stays quiet), no
-    process left, the benchmark's temporary directory removed."""
+    """While a run's process serves the trace (in a session of its own, so the terminal's
+    Ctrl-C reaches the benchmark alone): one `interrupted`, the run stopped, the benchmark's
+    temporary directory removed."""
     args = [*TOOLS["bench"], "--repeats", "3", "--json-output", str(tmp_path / "b.json")]
     proc = start(tmp_path, *args, "--model", "tiny")
     deadline = time.monotonic() + 60

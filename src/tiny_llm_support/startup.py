@@ -23,9 +23,6 @@ from collections.abc import Callable
 from types import FrameType
 
 INTERRUPTED = 130  # the exit status of a command stopped by Ctrl-C (128 + SIGINT)
-# Set in the processes a command starts for itself (a benchmark's runs): their parent reports
-# the interruption, so they stop without a word.
-QUIET_ENV = "TINY_LLM_QUIET_INTERRUPT"
 CPU_BUILD_COMMAND = "pdm sync --clean-unselected --reinstall -G dev -G book"
 
 
@@ -47,13 +44,8 @@ def run(main: Callable[[], int]) -> int:
     try:
         return main()
     except KeyboardInterrupt:
-        say_interrupted()
-        return INTERRUPTED
-
-
-def say_interrupted() -> None:
-    if not os.environ.get(QUIET_ENV):
         print("interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED
 
 
 def mlx_import_message(error: BaseException) -> str:
@@ -69,5 +61,5 @@ def mlx_import_message(error: BaseException) -> str:
 
 
 def _exit_interrupted(signum: int, frame: FrameType | None) -> None:
-    say_interrupted()
+    print("interrupted", file=sys.stderr, flush=True)
     os._exit(INTERRUPTED)
