@@ -76,11 +76,35 @@ class CompileCache:
         )
 
 
+def evaluate_arrays(obj) -> None:
+    """Evaluate every array `obj` holds: in its attributes, lists, tuples and dicts, however
+    deep. A compiled function keeps the arrays it reads from outside as constants of its
+    trace; one that is still lazy (a RoPE table computed at construction, say) would be
+    recomputed at every call of the compiled function."""
+    arrays, seen = [], set()
+
+    def walk(o) -> None:
+        if isinstance(o, mx.array):
+            arrays.append(o)
+        elif id(o) not in seen:
+            seen.add(id(o))
+            children = o.values() if isinstance(o, dict) else o
+            if isinstance(o, (list, tuple, dict)):
+                for child in children:
+                    walk(child)
+            elif hasattr(o, "__dict__"):
+                walk(vars(o))
+
+    walk(obj)
+    mx.eval(arrays)
+
+
 class CompiledBlock:
     """A transformer block whose token-parallel halves (norms, projections, RoPE, the MLP) run
     compiled; attention over the cache runs between them as before."""
 
     def __init__(self, block, capacity: int = 4):
+        evaluate_arrays(block)  # the weights and tables the compiled halves read
         self.block = block
         self.self_attn = block.self_attn
         self.before_attention = CompileCache(block.before_attention, capacity)
