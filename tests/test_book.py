@@ -61,6 +61,12 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
     "week3-04-stall-free-batching.md": [
         (r"^\| (alternate \| 512|mlx-lm) \|.*$", "the row every ratio is taken against: 1.00"),
     ],
+    "week3-05-flash-attention.md": [
+        (
+            r"^\| \d+ \| dense \| FIGURE \| FIGURE \| 1\.00 \|$",
+            "the row the ratios are taken against",
+        ),
+    ],
     "week3-06-memory-planning.md": [
         (r"100%, 50% and 25% of the pages|vs 100%|\| (100|50|25)% \|", "pool sizes, settings"),
         (r"\| 100% \| TBD\(tok/s\) \| 1\.00 \|", "the row the ratios are taken against"),
@@ -77,6 +83,29 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"within 0\.025", "a test's tolerance"),
         (r"\\\(p = 0\.75\\\)", "a worked top-p example"),
         (r"one token at 99%", "an example of a confident distribution"),
+    ],
+    "week4-01-quantization.md": [
+        (
+            r"^\| (float32|bfloat16|[48]-bit, groups of 64, bf16 scales) \| \d+ MB \| [\d.]+% \|$",
+            "computed: 596 M parameters at 32, 16, 8.5 and 4.5 bits each",
+        ),
+        (r"is a 3\.6x or 7x smaller", "computed: 16 / 4.5 and 32 / 4.5 bits a weight"),
+        (r"\*\*28\.1%\*\* of float32", "computed: 144 bytes of 512"),
+        (r"every logit within 5%|at most 30% of", "a test's threshold"),
+    ],
+    "week4-02-tensor-parallel.md": [
+        (
+            r"596 M parameters, 26%|74% / 2 \+ 26% = 63%|replicated 26%|1 / 0\.63 \\approx 1\.59",
+            "computed from the config: the head's 151936 x 1024 of 596 M parameters",
+        ),
+        (r"512 times as much|paid 56 times", "counts: tokens of a prefill, all-reduces of a pass"),
+        (r"^\| (Ethernet|Thunderbolt)\b.* \|$", "computed: bytes over the link's nominal rate"),
+        (r"it is 5\.6 ms per$|it is 0\.56 ms", "computed: 56 all-reduces at an assumed latency"),
+        (
+            r"about 90 ms per token on a device that streams 400 GB/s|45 ms per token, .*\(16 ms\)"
+            r"|in about 3 ms|\(5\.6 ms\) would",
+            "a worked example on an assumed device: arithmetic",
+        ),
     ],
 }
 
