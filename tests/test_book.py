@@ -59,18 +59,12 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
         (r"under 100% of the real rows", "a bound, not a measurement"),
         (r"instead of 342, 65%$|from 4\.9 s to 7\.0 s", "the seed's measurement of another engine"),
     ],
-<<<<<<< HEAD
-    "week3-04-stall-free-batching.md": [
-        (r"^\| (alternate \| 512|mlx-lm) \|.*$", "the row every ratio is taken against: 1.00"),
-    ],
     "week3-05-flash-attention.md": [
         (
             r"^\| \d+ \| dense \| FIGURE \| FIGURE \| 1\.00 \|$",
             "the row the ratios are taken against",
         ),
     ],
-=======
->>>>>>> fill1
     "week3-06-memory-planning.md": [
         (r"100%, 50% and 25% of the pages|vs 100%|\| (100|50|25)% \|", "pool sizes, settings"),
         (r"\| 100% \| TBD\(tok/s\) \| 1\.00 \|", "the row the ratios are taken against"),
