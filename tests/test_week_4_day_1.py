@@ -6,10 +6,12 @@ Task 3  QuantizedWeight.linear: multiply by a quantized weight (MLX's kernel, or
         weight for each call), which `linear(x, w)` hands a quantized weight to.
 Task 4  QuantizedWeight[ids]: rows of a quantized embedding.
 Task 5  TinyKvQuantizedCache.update_and_fetch: keys and values stored in 8 bits.
+Task 6  TinyKvQuantizedPagedPool.write / gather: the same rows stored in pages.
 
 Oracles: mx.quantize, mx.dequantize and mx.quantized_matmul; mlx-lm loading the same quantized
 checkpoint (one make_tiny_checkpoint wrote, and ones mlx-lm's convert wrote), with mlx-lm's
-QuantizedKVCache for the INT8 cache; exact equalities (chunked prefill == one-shot).
+QuantizedKVCache for the INT8 cache; exact equalities (chunked prefill == one-shot, paged ==
+dense).
 """
 
 import contextlib
@@ -400,17 +402,37 @@ def generate_alone(impl, model, tokenizer, prompt, n):
 
 
 @pytest.mark.parametrize(
-    "policy, compiled", [("alternate", False), ("hybrid", False), ("alternate", True)]
+    "policy, compiled, paged",
+    [
+        ("alternate", False, False),
+        ("hybrid", False, False),
+        ("alternate", True, False),
+        ("alternate", False, True),
+        ("hybrid", False, True),
+    ],
 )
-def test_int8_cache_serves_batch_generate(impl, int8_model, hd128_ckpt, policy, compiled):
+def test_int8_cache_serves_batch_generate(impl, int8_model, hd128_ckpt, policy, compiled, paged):
     """Batched decode, chunked and padded prefill, ragged passes and compiled blocks all read
-    the INT8 cache through update_and_fetch: the same text as each prompt alone."""
+    the INT8 cache (dense, or pages) through update_and_fetch: the same text as each prompt
+    alone."""
     tokenizer = hd128_ckpt.tokenizer
     model = impl.Qwen3Model(hd128_ckpt, kv_bits=8, compiled=compiled) if compiled else int8_model
+    pools = model.create_kv_pools(page_size=4, max_pages=12) if paged else None
     prompts = [prompt_with_tokens(tokenizer, n) for n in (3, 11, 6)]
     got = impl.batch_generate(
-        model, tokenizer, prompts, 64, 2, 4, max_new_tokens=6, ignore_eos=True, policy=policy
+        model,
+        tokenizer,
+        prompts,
+        64,
+        2,
+        4,
+        pools=pools,
+        max_new_tokens=6,
+        ignore_eos=True,
+        policy=policy,
     )
+    if paged:
+        assert all(pool.num_in_use == 0 for pool in pools), "every page back after the batch"
     for idx, text in got:
         assert text == generate_alone(impl, int8_model, tokenizer, prompts[idx], 6), idx
 
@@ -425,5 +447,106 @@ def test_int8_cache_refuses_bad_input(impl, tiny_gqa_ckpt):
     assert cache.offset == 0, "nothing was stored"
     with pytest.raises(ValueError):
         impl.Qwen3Model(tiny_gqa_ckpt, kv_bits=8)  # its head_dim is 32
+    with pytest.raises(ValueError):  # quantized pages are read through gather
+        impl.Qwen3Model(tiny_gqa_ckpt, kv_bits=8, kv_group_size=32).create_kv_pools(
+            read_in_place=True
+        )
     with pytest.raises(ValueError):
-        impl.Qwen3Model(tiny_gqa_ckpt, kv_bits=8, kv_group_size=32).create_kv_pools()
+        impl.TinyKvQuantizedPagedPool(2, 32, group_size=64)  # no whole group in a row
+
+
+# --- Task 6: the INT8 paged pool ----------------------------------------------------------------
+
+
+def int8_pool(impl, page_size=4, max_pages=None):
+    return impl.TinyKvQuantizedPagedPool(2, 128, page_size, max_pages, group_size=64, bits=8)
+
+
+def test_int8_pages_hold_mlx_codes(impl):
+    """Rows written in chunks that straddle pages: the pool stores mx.quantize's codes, scales
+    and biases slot by slot, and gives back mx.dequantize of them."""
+    pool = int8_pool(impl)
+    cache = impl.TinyKvQuantizedPagedCache(pool)
+    k, v = random_rows((1, 2, 10, 128), 4), random_rows((1, 2, 10, 128), 5)
+    cache.update_and_fetch(k[:, :, :3], v[:, :, :3])
+    keys, values, _ = cache.update_and_fetch(k[:, :, 3:], v[:, :, 3:])
+    codes, scales, biases = mx.quantize(k[0], group_size=64, bits=8)  # [2, 10, *]
+    for i, page in enumerate(cache.page_table):
+        rows = slice(4 * i, min(4 * i + 4, 10))
+        n = rows.stop - rows.start
+        assert mx.array_equal(pool.key_pages[page, :, :n], codes[:, rows]), (
+            f"page {page} (tokens {rows.start}..{rows.stop - 1}): its key codes are not "
+            "mx.quantize's. write() must quantize each row and store the codes at the page's "
+            "slots start .. start + n"
+        )
+        assert_close(pool.key_scales[page, :, :n], scales[:, rows], f"key scales, page {page}")
+        assert_close(pool.key_biases[page, :, :n], biases[:, rows], f"key biases, page {page}")
+    for got, rows, name in ((keys, k, "keys"), (values, v, "values")):
+        want = mx.dequantize(*mx.quantize(rows, group_size=64, bits=8), group_size=64, bits=8)
+        assert_close(
+            got,
+            want,
+            f"{name} read back: gather() must return the pages' rows dequantized, in page-table "
+            "order and cut to the cache's length",
+            1e-6,
+            1e-6,
+        )
+
+
+def test_int8_paged_cache_equals_dense(int8_model, hd128_ckpt):
+    """Pages and one dense buffer hold the same codes: identical logits, prefill in chunks that
+    straddle pages and then decode."""
+    tokenizer = hd128_ckpt.tokenizer
+    ids = tokenizer.encode(prompt_with_tokens(tokenizer, 19))
+    pools = int8_model.create_kv_pools(page_size=4)
+    paged, dense = int8_model.create_paged_kv_cache(pools), int8_model.create_kv_cache()
+    for start in range(0, len(ids), 6):
+        chunk = mx.array([ids[start : start + 6]])
+        got = int8_model(chunk, start, paged)
+        want = int8_model(chunk, start, dense)
+        assert_close(got, want, f"prefill chunk at {start}: paged INT8 against dense INT8")
+        for layer_cache in paged:
+            layer_cache.materialize()
+    token = mx.array([[7]])
+    for step in range(3):
+        at = len(ids) + step
+        assert_close(
+            int8_model(token, at, paged), int8_model(token, at, dense), f"decode step {step}"
+        )
+    release_all(paged)
+    assert all(pool.num_in_use == 0 for pool in pools), "release returns every page"
+
+
+def test_int8_pool_memory_per_token(impl):
+    """The same 30% bound as the dense cache, on Qwen3-0.6B's layer shape, counted as the bytes
+    the pool's arrays hold."""
+    int8 = impl.TinyKvQuantizedPagedPool(8, 128, 16, group_size=64, bits=8)
+    dense = impl.TinyKvPagedPool(8, 128, 16)
+    k, v = random_rows((1, 8, 512, 128), 0), random_rows((1, 8, 512, 128), 1)
+    for pool in (int8, dense):
+        cache = (
+            impl.TinyKvQuantizedPagedCache(pool) if pool is int8 else impl.TinyKvPagedCache(pool)
+        )
+        cache.append(k, v)
+        cache.materialize()
+    assert int8.capacity == dense.capacity == 32
+    ratio = int8.nbytes / dense.nbytes
+    assert ratio <= 0.30, f"the INT8 pool holds {ratio:.1%} of float32's bytes"
+
+
+def test_int8_paged_cache_rewinds(impl):
+    pool = int8_pool(impl)
+    cache, fresh = impl.TinyKvQuantizedPagedCache(pool), impl.TinyKvQuantizedPagedCache(pool)
+    k, v = random_rows((1, 2, 10, 128), 0), random_rows((1, 2, 10, 128), 1)
+    cache.update_and_fetch(k, v)
+    cache.rewind(6)
+    assert (cache.offset, len(cache.page_table)) == (6, 2), "rewind keeps the pages of 6 tokens"
+    k2, v2 = random_rows((1, 2, 3, 128), 2), random_rows((1, 2, 3, 128), 3)
+    keys, values, _ = cache.update_and_fetch(k2, v2)
+    fresh.update_and_fetch(k[:, :, :6], v[:, :, :6])
+    want_keys, want_values, _ = fresh.update_and_fetch(k2, v2)
+    assert_close(keys, want_keys, "keys after a rewind to 6 and 3 new rows", 0, 0)
+    assert_close(values, want_values, "values after the rewind", 0, 0)
+    cache.release()
+    fresh.release()
+    assert pool.num_in_use == 0, "release returns every page"

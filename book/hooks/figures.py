@@ -45,6 +45,7 @@ OPERATORS = {
     ast.Sub: operator.sub,
     ast.Mult: operator.mul,
     ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,  # whole pages: -(-tokens // page_size)
 }
 
 
@@ -102,7 +103,7 @@ class Results:
 
 
 def arithmetic(node: ast.AST, values: dict[str, Any]) -> Any:
-    """+ - * / and parentheses over numbers and looked-up values; nothing else."""
+    """+ - * / // and parentheses over numbers and looked-up values; nothing else."""
     if isinstance(node, ast.Name) and node.id in values:
         return values[node.id]
     if isinstance(node, ast.Constant) and isinstance(node.value, int | float):
@@ -114,7 +115,7 @@ def arithmetic(node: ast.AST, values: dict[str, Any]) -> Any:
         if isinstance(left, dict) or isinstance(right, dict):
             raise ValueError("arithmetic needs numbers: pick .median, .min or .max")
         return OPERATORS[type(node.op)](left, right)
-    raise ValueError(f"not a lookup, a number or + - * /: {ast.unparse(node)!r}")
+    raise ValueError(f"not a lookup, a number or + - * / //: {ast.unparse(node)!r}")
 
 
 def format_value(value: Any, spec: str) -> str:

@@ -31,7 +31,11 @@ from .quantize import (
     dequantize,
     quantize,
 )
-from .quantized_kv_cache import TinyKvQuantizedCache
+from .quantized_kv_cache import (
+    TinyKvQuantizedCache,
+    TinyKvQuantizedPagedCache,
+    TinyKvQuantizedPagedPool,
+)
 from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
@@ -81,6 +85,8 @@ __all__ = [
     "TinyKvPagedCache",
     "TinyKvPagedPool",
     "TinyKvQuantizedCache",
+    "TinyKvQuantizedPagedCache",
+    "TinyKvQuantizedPagedPool",
     "attention_mask",
     "batch_generate",
     "block_partial",

@@ -1,4 +1,5 @@
-"""Week 4 Day 1: a dense KV cache that stores keys and values quantized (INT8 by default).
+"""Week 4 Day 1: KV caches that store keys and values quantized (INT8 by default), dense and
+paged.
 
 Every new key and value row [D] of every head is quantized on its own, in groups along the
 head dimension, with the quantize() of the weights: what a token stores does not depend on
@@ -6,6 +7,10 @@ which tokens came in the same chunk. update_and_fetch returns everything dequant
 tokens included, so attention stays the float attention of Week 1 on every path (eager,
 compiled blocks, ragged batches, the batching cache); the cache saves the memory a token
 holds, not the bytes attention reads.
+
+The paged pool stores the same three parts per page slot and quantizes as it writes; its
+pages are read through gather() (dequantized), never in place: paged_attention walks float
+pages, and a walk over quantized ones would have to dequantize each block as it goes.
 """
 
 import mlx.core as mx
@@ -13,6 +18,7 @@ import mlx.core as mx
 from tiny_llm_support import check_quant_format
 
 from .kv_cache import TinyKvCache, TinyKvFullCache, check_rewind
+from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool, grown
 from .quantize import dequantize, quantize
 
 
@@ -73,3 +79,93 @@ class TinyKvQuantizedCache(TinyKvCache):
     def release(self) -> None:
         for part in self.parts:
             part.release()
+
+
+class TinyKvQuantizedPagedPool(TinyKvPagedPool):
+    """A page pool that stores each key and value row quantized, as TinyKvQuantizedCache does.
+
+    key_pages / value_pages hold the codes [capacity, H_kv, P, D * bits / 32] (uint32);
+    key_scales, key_biases, value_scales, value_biases are [capacity, H_kv, P, D / group_size]
+    in the float dtype. Rows go in and come out as floats: write() quantizes, gather()
+    dequantizes. Allocation, freeing and growth are the float pool's.
+    """
+
+    def __init__(
+        self,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int = 16,
+        max_pages: int | None = None,
+        dtype: mx.Dtype = mx.float32,
+        group_size: int = 64,
+        bits: int = 8,
+    ):
+        check_quant_format(group_size, bits, "TinyKvQuantizedPagedPool")
+        if head_dim % group_size != 0:
+            raise ValueError(f"head_dim {head_dim} is not a multiple of group_size {group_size}")
+        super().__init__(num_kv_heads, head_dim, page_size, max_pages, dtype)
+        self.group_size, self.bits = group_size, bits
+        codes = (0, num_kv_heads, page_size, head_dim * bits // 32)
+        groups = (0, num_kv_heads, page_size, head_dim // group_size)
+        self.key_pages = mx.zeros(codes, dtype=mx.uint32)
+        self.value_pages = mx.zeros(codes, dtype=mx.uint32)
+        self.key_scales, self.key_biases = mx.zeros(groups, dtype), mx.zeros(groups, dtype)
+        self.value_scales, self.value_biases = mx.zeros(groups, dtype), mx.zeros(groups, dtype)
+
+    @property
+    def storage(self) -> list[mx.array]:
+        return [
+            self.key_pages,
+            self.key_scales,
+            self.key_biases,
+            self.value_pages,
+            self.value_scales,
+            self.value_biases,
+        ]
+
+    def _resize(self, capacity: int) -> None:
+        super()._resize(capacity)  # the codes
+        self.key_scales = grown(self.key_scales, capacity)
+        self.key_biases = grown(self.key_biases, capacity)
+        self.value_scales = grown(self.value_scales, capacity)
+        self.value_biases = grown(self.value_biases, capacity)
+
+    def write(self, page: int, start: int, key: mx.array, value: mx.array) -> None:
+        """Quantize key/value [H_kv, n, D] row by row and store them at slots start .. start + n
+        of one page."""
+        # BEGIN TASK Week 4 Day 1, Task 6: quantize the rows into the page's slots
+        end = start + key.shape[1]
+        codes, scales, biases = quantize(key, self.group_size, self.bits)  # [H_kv, n, *]
+        self.key_pages[page, :, start:end, :] = codes
+        self.key_scales[page, :, start:end, :] = scales
+        self.key_biases[page, :, start:end, :] = biases
+        codes, scales, biases = quantize(value, self.group_size, self.bits)
+        self.value_pages[page, :, start:end, :] = codes
+        self.value_scales[page, :, start:end, :] = scales
+        self.value_biases[page, :, start:end, :] = biases
+        # END TASK
+
+    def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
+        """The first `length` tokens stored in `pages`, dequantized: [H_kv, length, D] each."""
+
+        # BEGIN TASK Week 4 Day 1, Task 6: read the pages back dequantized
+        def read(array: mx.array) -> mx.array:  # [capacity, H_kv, P, X] -> [H_kv, length, X]
+            return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]
+
+        parts = (self.group_size, self.bits)
+        keys = dequantize(
+            read(self.key_pages), read(self.key_scales), read(self.key_biases), *parts
+        )
+        values = dequantize(
+            read(self.value_pages), read(self.value_scales), read(self.value_biases), *parts
+        )
+        return keys, values
+        # END TASK
+
+
+class TinyKvQuantizedPagedCache(TinyKvPagedCache):
+    """A request's page table over a quantized pool: the float paged cache, read through
+    gather, whose materialize evaluates the scales and biases as well as the codes."""
+
+    def materialize(self) -> None:
+        mx.eval(*self.pool.storage)

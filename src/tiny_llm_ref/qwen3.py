@@ -14,7 +14,11 @@ from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
 from .quantize import QuantizedWeight
-from .quantized_kv_cache import TinyKvQuantizedCache
+from .quantized_kv_cache import (
+    TinyKvQuantizedCache,
+    TinyKvQuantizedPagedCache,
+    TinyKvQuantizedPagedPool,
+)
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
 
@@ -165,9 +169,25 @@ class Qwen3Model(Qwen3ModelWeek1):
         """One pool per layer, for this rank's KV heads once sharded (Week 4 Day 2);
         read_in_place: attention reads the pages where they lie (Week 3 Day 5) instead of
         gathering them."""
-        if self.kv_bits is not None:
-            raise ValueError("the paged pools store float keys and values: use kv_bits=None")
         h_kv = self.layers[0].self_attn.num_kv_heads
+        if self.kv_bits is not None:
+            if read_in_place:
+                raise ValueError(
+                    "quantized pages are read through gather: read_in_place needs float pages "
+                    "(kv_bits=None)"
+                )
+            return [
+                TinyKvQuantizedPagedPool(
+                    h_kv,
+                    self.config.head_dim,
+                    page_size,
+                    max_pages,
+                    self.dtype,
+                    self.kv_group_size,
+                    self.kv_bits,
+                )
+                for _ in range(self.num_hidden_layers)
+            ]
         return [
             TinyKvPagedPool(
                 h_kv, self.config.head_dim, page_size, max_pages, self.dtype, read_in_place
@@ -178,7 +198,12 @@ class Qwen3Model(Qwen3ModelWeek1):
     def create_paged_kv_cache(self, pools: list[TinyKvPagedPool]) -> list[TinyKvPagedCache]:
         if len(pools) != self.num_hidden_layers:
             raise ValueError(f"{len(pools)} pools for {self.num_hidden_layers} layers")
-        return [TinyKvPagedCache(pool) for pool in pools]
+        return [
+            TinyKvQuantizedPagedCache(pool)
+            if isinstance(pool, TinyKvQuantizedPagedPool)
+            else TinyKvPagedCache(pool)
+            for pool in pools
+        ]
 
     def __call__(
         self,
