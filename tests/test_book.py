@@ -66,8 +66,8 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
         ),
     ],
     "week3-06-memory-planning.md": [
-        (r"100%, 50% and 25% of the pages|vs 100%|\| (100|50|25)% \|", "pool sizes, settings"),
-        (r"\| 100% \| TBD\(tok/s\) \| 1\.00 \|", "the row the ratios are taken against"),
+        (r"At 100% no request|\| (100|50|33|25)% \|", "pool sizes, settings"),
+        (r"--pool-fractions 1 0\.5 0\.33 0\.25", "a command's settings: pool sizes as fractions"),
     ],
     "week1-04-rmsnorm-mlp.md": [
         (r"60% of the weights", "computed from the config: 3 x 1024 x 3072 of 15.7M per layer"),
@@ -88,8 +88,8 @@ EXCEPTIONS: dict[str, list[tuple[str, str]]] = {
             "computed: 596 M parameters at 32, 16, 8.5 and 4.5 bits each",
         ),
         (r"is a 3\.6x or 7x smaller", "computed: 16 / 4.5 and 32 / 4.5 bits a weight"),
-        (r"\*\*28\.1%\*\* of float32", "computed: 144 bytes of 512"),
-        (r"every logit within 5%|at most 30% of", "a test's threshold"),
+        (r"\*\*28\.1%\*\* of float32|^28\.1% of the bytes", "computed: 144 bytes of 512"),
+        (r"every logit within 5%|most 30% of", "a test's threshold"),
     ],
     "week4-02-tensor-parallel.md": [
         (

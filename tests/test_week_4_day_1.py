@@ -373,8 +373,9 @@ def test_int8_memory_per_token(impl):
     assert ratio <= 0.30, f"the INT8 cache holds {ratio:.1%} of float32's bytes"
 
 
-def test_int8_cache_rewinds_and_releases(impl):
-    cache, fresh = impl.TinyKvQuantizedCache(64, 8), impl.TinyKvQuantizedCache(64, 8)
+def check_rewind_to_6(cache, fresh) -> None:
+    """10 rows in `cache`, a rewind to 6 and 3 new rows: exactly what `fresh` returns after the
+    first 6 rows and the same 3."""
     k, v = random_rows((1, 2, 10, 128), 0), random_rows((1, 2, 10, 128), 1)
     cache.update_and_fetch(k, v)
     cache.rewind(6)
@@ -385,6 +386,11 @@ def test_int8_cache_rewinds_and_releases(impl):
     want_keys, want_values, _ = fresh.update_and_fetch(k2, v2)
     assert_close(keys, want_keys, "keys after a rewind to 6 and 3 new rows", 0, 0)
     assert_close(values, want_values, "values after the rewind", 0, 0)
+
+
+def test_int8_cache_rewinds_and_releases(impl):
+    cache = impl.TinyKvQuantizedCache(64, 8)
+    check_rewind_to_6(cache, impl.TinyKvQuantizedCache(64, 8))
     with pytest.raises(ValueError):
         cache.rewind(10)
     cache.release()
@@ -537,16 +543,8 @@ def test_int8_pool_memory_per_token(impl):
 def test_int8_paged_cache_rewinds(impl):
     pool = int8_pool(impl)
     cache, fresh = impl.TinyKvQuantizedPagedCache(pool), impl.TinyKvQuantizedPagedCache(pool)
-    k, v = random_rows((1, 2, 10, 128), 0), random_rows((1, 2, 10, 128), 1)
-    cache.update_and_fetch(k, v)
-    cache.rewind(6)
-    assert (cache.offset, len(cache.page_table)) == (6, 2), "rewind keeps the pages of 6 tokens"
-    k2, v2 = random_rows((1, 2, 3, 128), 2), random_rows((1, 2, 3, 128), 3)
-    keys, values, _ = cache.update_and_fetch(k2, v2)
-    fresh.update_and_fetch(k[:, :, :6], v[:, :, :6])
-    want_keys, want_values, _ = fresh.update_and_fetch(k2, v2)
-    assert_close(keys, want_keys, "keys after a rewind to 6 and 3 new rows", 0, 0)
-    assert_close(values, want_values, "values after the rewind", 0, 0)
+    check_rewind_to_6(cache, fresh)
+    assert len(cache.page_table) == 3, "6 tokens and 3 more fill 3 pages of 4"
     cache.release()
     fresh.release()
     assert pool.num_in_use == 0, "release returns every page"
