@@ -124,8 +124,13 @@ class TinyKvQuantizedPagedPool(TinyKvPagedPool):
 
     def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
         """The first `length` tokens stored in `pages`, dequantized: [H_kv, length, D] each."""
-
         raise NotImplementedError("Week 4 Day 1, Task 6: read the pages back dequantized")
+
+
+def in_page_order(array: mx.array, pages: list[int], length: int) -> mx.array:
+    """array [capacity, H_kv, P, X] -> the first `length` token slots of `pages`, in page-table
+    order: [H_kv, length, X]."""
+    return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]
 
 
 class TinyKvQuantizedPagedCache(TinyKvPagedCache):

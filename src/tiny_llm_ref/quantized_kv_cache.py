@@ -147,20 +147,23 @@ class TinyKvQuantizedPagedPool(TinyKvPagedPool):
 
     def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
         """The first `length` tokens stored in `pages`, dequantized: [H_kv, length, D] each."""
-
         # BEGIN TASK Week 4 Day 1, Task 6: read the pages back dequantized
-        def read(array: mx.array) -> mx.array:  # [capacity, H_kv, P, X] -> [H_kv, length, X]
-            return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]
-
-        parts = (self.group_size, self.bits)
+        g, bits = self.group_size, self.bits
+        read = lambda array: in_page_order(array, pages, length)  # [H_kv, length, X]
         keys = dequantize(
-            read(self.key_pages), read(self.key_scales), read(self.key_biases), *parts
+            read(self.key_pages), read(self.key_scales), read(self.key_biases), g, bits
         )
         values = dequantize(
-            read(self.value_pages), read(self.value_scales), read(self.value_biases), *parts
+            read(self.value_pages), read(self.value_scales), read(self.value_biases), g, bits
         )
         return keys, values
         # END TASK
+
+
+def in_page_order(array: mx.array, pages: list[int], length: int) -> mx.array:
+    """array [capacity, H_kv, P, X] -> the first `length` token slots of `pages`, in page-table
+    order: [H_kv, length, X]."""
+    return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]
 
 
 class TinyKvQuantizedPagedCache(TinyKvPagedCache):
