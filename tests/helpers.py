@@ -14,6 +14,25 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+import pytest
+
+# Two ranks need MLX's ring backend. Where it is missing, the two-rank tests skip and say why;
+# with TINY_LLM_REQUIRE_RANKS=1 (set by .ci/run) they must run, and fail instead of skipping.
+REQUIRE_RANKS = os.environ.get("TINY_LLM_REQUIRE_RANKS") == "1"
+
+
+def ranks_cannot_start(reason: str):
+    """Skip (fail under TINY_LLM_REQUIRE_RANKS=1) a test that needs two ranks."""
+    message = f"two ranks cannot start on this machine: {reason}"
+    if REQUIRE_RANKS:
+        pytest.fail(f"{message} (TINY_LLM_REQUIRE_RANKS=1: the two-rank tests must run)")
+    pytest.skip(message)
+
+
+needs_ring = pytest.mark.skipif(
+    not mx.distributed.is_available("ring") and not REQUIRE_RANKS,
+    reason="this MLX build has no ring backend, so two ranks cannot start",
+)
 
 # A fixed text whose prefixes give every token count the tests need.
 CORPUS = (

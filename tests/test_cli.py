@@ -19,7 +19,7 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import offline_env
+from helpers import needs_ring, offline_env
 
 from tiny_llm_support import make_tiny_checkpoint
 
@@ -318,7 +318,7 @@ def test_ctrl_c_in_the_benchmark_stops_parent_and_run(tmp_path):
     assert not (tmp_path / "b.json").exists()
 
 
-@pytest.mark.skipif(not mx.distributed.is_available("ring"), reason="no ring backend")
+@needs_ring
 def test_ctrl_c_stops_every_tensor_parallel_rank(tmp_path):
     """The terminal's Ctrl-C reaches the demo, not the ranks (mlx.launch runs them in a
     session of their own): the demo stops them all."""

@@ -5,15 +5,13 @@ Each demo runs twice, in one process and as two ranks under mlx.launch on this m
 must print the same answers. They need no network: the tiny checkpoint is made under tmp_path.
 """
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
-import mlx.core as mx
 import pytest
-from helpers import offline_env
+from helpers import needs_ring, offline_env
 
 from tiny_llm_support import make_tiny_checkpoint
 from tiny_llm_support.launch import launch_command
@@ -21,10 +19,7 @@ from tiny_llm_support.launch import launch_command
 ROOT = Path(__file__).resolve().parent.parent
 ANSWER_LINES = re.compile(r"^(prompt|answer) \d+: .*$", re.M)
 
-pytestmark = pytest.mark.skipif(
-    not mx.distributed.is_available("ring") and os.environ.get("TINY_LLM_REQUIRE_RANKS") != "1",
-    reason="this MLX build has no ring backend, so two ranks cannot start",
-)
+pytestmark = needs_ring
 
 
 def run(tmp_path: Path, script: str, *args: str) -> str:

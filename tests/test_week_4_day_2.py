@@ -16,25 +16,16 @@ The tests skip, saying why, only where the ring backend cannot start on this mac
 TINY_LLM_REQUIRE_RANKS=1 (set by .ci/run) they fail instead.
 """
 
-import os
 from pathlib import Path
 
 import mlx.core as mx
 import pytest
 import tp_ranks
-from helpers import prompt_with_tokens, run_ranks
+from helpers import prompt_with_tokens, ranks_cannot_start, run_ranks
 
 from tiny_llm_support import make_tiny_checkpoint
 
 RANKS = 2
-REQUIRE = os.environ.get("TINY_LLM_REQUIRE_RANKS") == "1"
-
-
-def cannot_start(reason: str):
-    message = f"two ranks cannot start on this machine: {reason}"
-    if REQUIRE:
-        pytest.fail(f"{message} (TINY_LLM_REQUIRE_RANKS=1: the two-rank tests must run)")
-    pytest.skip(message)
 
 
 @pytest.fixture(scope="module")
@@ -52,10 +43,10 @@ def two_ranks(impl, tmp_path_factory):
     try:
         found = run_ranks(Path(tp_ranks.__file__), args, tmp, RANKS)
     except FileNotFoundError as e:  # no mlx.launch
-        cannot_start(str(e))
+        ranks_cannot_start(str(e))
     errors = {found[r].get("init_error") for r in range(RANKS) if found[r] is not None}
     if None not in errors and errors:
-        cannot_start(f"mx.distributed.init(backend='ring') failed: {errors.pop()}")
+        ranks_cannot_start(f"mx.distributed.init(backend='ring') failed: {errors.pop()}")
     return found
 
 
