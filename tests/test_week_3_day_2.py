@@ -304,7 +304,7 @@ def test_paged_materialize_evaluates_its_pages_without_gathering(impl, monkeypat
         kv = mx.random.normal((1, 2, n, 8))
         cache.update_and_fetch(kv, -kv)
     assert mine.page_table != list(range(len(mine.page_table))), "the test needs scattered pages"
-    want = [pool.key_pages, pool.value_pages]  # the pool's storage arrays themselves
+    want = pool.storage  # the pool's storage arrays themselves: key_pages and value_pages
 
     evaluated = []
     real_eval = mx.eval
@@ -324,9 +324,9 @@ def test_paged_materialize_evaluates_its_pages_without_gathering(impl, monkeypat
     monkeypatch.undo()
 
     assert Counter(map(id, evaluated)) == Counter(map(id, want)), (
-        "evaluate exactly the pool's two storage arrays, key_pages and value_pages (the pages "
-        "live in them: a slice or a row of them would be a new array, and evaluating it "
-        "computes the whole array anyway)"
+        "evaluate exactly the pool's storage arrays, self.pool.storage (key_pages and "
+        "value_pages: the pages live in them; a slice or a row of them would be a new array, "
+        "and evaluating it computes the whole array anyway)"
     )
     assert mine.offset == 11 and pool.num_in_use == 5, "materialize changes no page or offset"
     mine.release()

@@ -472,7 +472,7 @@ def test_int8_pages_hold_mlx_codes(impl):
     """Rows written in chunks that straddle pages: the pool stores mx.quantize's codes, scales
     and biases slot by slot, and gives back mx.dequantize of them."""
     pool = int8_pool(impl)
-    cache = impl.TinyKvQuantizedPagedCache(pool)
+    cache = impl.TinyKvPagedCache(pool)
     k, v = random_rows((1, 2, 10, 128), 4), random_rows((1, 2, 10, 128), 5)
     cache.update_and_fetch(k[:, :, :3], v[:, :, :3])
     keys, values, _ = cache.update_and_fetch(k[:, :, 3:], v[:, :, 3:])
@@ -530,9 +530,7 @@ def test_int8_pool_memory_per_token(impl):
     dense = impl.TinyKvPagedPool(8, 128, 16)
     k, v = random_rows((1, 8, 512, 128), 0), random_rows((1, 8, 512, 128), 1)
     for pool in (int8, dense):
-        cache = (
-            impl.TinyKvQuantizedPagedCache(pool) if pool is int8 else impl.TinyKvPagedCache(pool)
-        )
+        cache = impl.TinyKvPagedCache(pool)
         cache.append(k, v)
         cache.materialize()
     assert int8.capacity == dense.capacity == 32
@@ -542,7 +540,7 @@ def test_int8_pool_memory_per_token(impl):
 
 def test_int8_paged_cache_rewinds(impl):
     pool = int8_pool(impl)
-    cache, fresh = impl.TinyKvQuantizedPagedCache(pool), impl.TinyKvQuantizedPagedCache(pool)
+    cache, fresh = impl.TinyKvPagedCache(pool), impl.TinyKvPagedCache(pool)
     check_rewind_to_6(cache, fresh)
     assert len(cache.page_table) == 3, "6 tokens and 3 more fill 3 pages of 4"
     cache.release()

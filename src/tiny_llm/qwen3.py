@@ -14,11 +14,7 @@ from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
 from .quantize import QuantizedWeight
-from .quantized_kv_cache import (
-    TinyKvQuantizedCache,
-    TinyKvQuantizedPagedCache,
-    TinyKvQuantizedPagedPool,
-)
+from .quantized_kv_cache import TinyKvQuantizedCache, TinyKvQuantizedPagedPool
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
 
@@ -189,12 +185,7 @@ class Qwen3Model(Qwen3ModelWeek1):
     def create_paged_kv_cache(self, pools: list[TinyKvPagedPool]) -> list[TinyKvPagedCache]:
         if len(pools) != self.num_hidden_layers:
             raise ValueError(f"{len(pools)} pools for {self.num_hidden_layers} layers")
-        return [
-            TinyKvQuantizedPagedCache(pool)
-            if isinstance(pool, TinyKvQuantizedPagedPool)
-            else TinyKvPagedCache(pool)
-            for pool in pools
-        ]
+        return [TinyKvPagedCache(pool) for pool in pools]
 
     def __call__(
         self,

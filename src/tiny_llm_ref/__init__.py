@@ -31,11 +31,7 @@ from .quantize import (
     dequantize,
     quantize,
 )
-from .quantized_kv_cache import (
-    TinyKvQuantizedCache,
-    TinyKvQuantizedPagedCache,
-    TinyKvQuantizedPagedPool,
-)
+from .quantized_kv_cache import TinyKvQuantizedCache, TinyKvQuantizedPagedPool
 from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
@@ -85,7 +81,6 @@ __all__ = [
     "TinyKvPagedCache",
     "TinyKvPagedPool",
     "TinyKvQuantizedCache",
-    "TinyKvQuantizedPagedCache",
     "TinyKvQuantizedPagedPool",
     "attention_mask",
     "batch_generate",

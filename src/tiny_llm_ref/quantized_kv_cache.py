@@ -18,7 +18,7 @@ import mlx.core as mx
 from tiny_llm_support import check_quant_format
 
 from .kv_cache import TinyKvCache, TinyKvFullCache, check_rewind
-from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool, grown
+from .paged_kv_cache import TinyKvPagedPool, grown
 from .quantize import dequantize, quantize
 
 
@@ -87,7 +87,8 @@ class TinyKvQuantizedPagedPool(TinyKvPagedPool):
     key_pages / value_pages hold the codes [capacity, H_kv, P, D * bits / 32] (uint32);
     key_scales, key_biases, value_scales, value_biases are [capacity, H_kv, P, D / group_size]
     in the float dtype. Rows go in and come out as floats: write() quantizes, gather()
-    dequantizes. Allocation, freeing and growth are the float pool's.
+    dequantizes. Allocation, freeing and growth are the float pool's, and a request's cache
+    over it is the float TinyKvPagedCache.
     """
 
     def __init__(
@@ -164,11 +165,3 @@ def in_page_order(array: mx.array, pages: list[int], length: int) -> mx.array:
     """array [capacity, H_kv, P, X] -> the first `length` token slots of `pages`, in page-table
     order: [H_kv, length, X]."""
     return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]
-
-
-class TinyKvQuantizedPagedCache(TinyKvPagedCache):
-    """A request's page table over a quantized pool: the float paged cache, read through
-    gather, whose materialize evaluates the scales and biases as well as the codes."""
-
-    def materialize(self) -> None:
-        mx.eval(*self.pool.storage)
