@@ -121,6 +121,27 @@ def test_can_admit_counts_prompt_headroom_and_pages_owed(impl, model):
     assert module.can_admit(10_000, 0, model.create_kv_pools(page_size=4)), "unbounded pool"
 
 
+# --- the hybrid plan spends only spare pages ------------------------------------------------
+
+
+@pytest.mark.parametrize("headroom", [0, 1])
+def test_a_hybrid_chunk_never_takes_the_pages_its_decode_rows_need(
+    impl, model, tokenizer, prompts, unbounded, monkeypatch, headroom
+):
+    """Regression: plan_pass once sized a chunk by the free pages alone, after make_room had
+    set them aside for the decode rows, and the pass died with PagePoolExhausted (headroom 0
+    on a 12-page pool reaches it at once)."""
+    module = importlib.import_module(f"{impl.__name__}.memory_planning")
+    monkeypatch.setattr(module, "HEADROOM_PAGES", headroom)
+    pools = model.create_kv_pools(page_size=4, max_pages=12)
+    out = impl.batch_generate(
+        model, tokenizer, prompts, 64, 4, 8, pools=pools, max_new_tokens=NEW_TOKENS,
+        policy="hybrid",
+    )  # fmt: skip
+    assert out == unbounded, f"headroom {headroom}: the same text as an unbounded pool"
+    assert pools[0].peak_in_use <= 12 and pools[0].num_in_use == 0
+
+
 # --- refusal ---------------------------------------------------------------------------------
 
 

@@ -44,11 +44,15 @@ def plan_pass(scheduler, budget: int) -> tuple[list, list]:
     """The requests that decode in this pass, and (request, tokens) chunks that fill what the
     budget leaves: first the prompt already being prefilled, then, while rows and free slots
     remain, newly admitted prompts, each taking its slot as it is admitted. With a bounded
-    pool the decode rows get their pages first (preempting the newest requests if need be);
-    a chunk takes only pages that are free."""
+    pool the decode rows get their pages first (preempting the newest requests if need be),
+    and each chunk takes only pages that are still spare: free, and not already promised to
+    a decode row or to an earlier chunk of this pass (nothing is allocated until the pass
+    runs, so the plan keeps the count)."""
     slots = scheduler.slots
     decoding = lambda: [r for r in slots if r is not None and r.is_prefill_done]
-    make_room(scheduler, lambda: sum(pages_for(r, 1) for r in decoding()))
+    decode_pages = lambda: sum(pages_for(r, 1) for r in decoding())
+    make_room(scheduler, decode_pages)
+    spare = free_pages(scheduler.pools) - decode_pages()  # pages no decode row needs
     room, chunks = budget - len(decoding()), []
     prefilling = [r for r in slots if r is not None and not r.is_prefill_done]
     while room > 0:
@@ -59,20 +63,20 @@ def plan_pass(scheduler, budget: int) -> tuple[list, list]:
         else:
             break
         ids = request.prefill_tokens[request.offset : request.offset + room]
-        ids = ids[: min(len(ids), tokens_that_fit(request, scheduler.pools))]
+        ids = ids[: min(len(ids), tokens_that_fit(request, spare))]
         if ids:
             chunks.append((request, ids))
             room -= len(ids)
+            spare -= pages_for(request, len(ids))
     return decoding(), chunks
 
 
-def tokens_that_fit(request, pools) -> float:
-    """How many more tokens the request's cache can take without a page that is not free."""
-    free = free_pages(pools)
-    if free == math.inf:
+def tokens_that_fit(request, spare: float) -> float:
+    """How many more tokens the request's cache can take with at most `spare` new pages."""
+    if spare == math.inf:
         return math.inf
     cache = request.kv_cache[0]
-    return (len(cache.page_table) + int(free)) * cache.pool.page_size - cache.offset
+    return (len(cache.page_table) + int(spare)) * cache.pool.page_size - cache.offset
 
 
 def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
