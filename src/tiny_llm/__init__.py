@@ -10,8 +10,9 @@ from .attention import (
     scaled_dot_product_attention_simple,
 )
 from .basics import linear, silu, softmax
-from .batch import BatchStep, Request, Scheduler, batch_generate, decode_step
+from .batch import BatchStep, Request, Scheduler, decode_step
 from .batching_kv_cache import BatchingKvCache
+from .engine import Engine, RequestOutput, RequestRefused, batch_generate, stop_cut
 from .flash_attention import (
     block_partial,
     flash_attention,
@@ -39,7 +40,7 @@ from .qwen3_week1 import (
     Qwen3TransformerBlock,
     take_weight,
 )
-from .sampler import keep_top_p, make_sampler
+from .sampler import SamplingParams, keep_top_p, make_sampler, pick_tokens, sample_rows
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 from .stall_free import Segment, forward_ragged, hybrid_step
 from .tensor_parallel import (
@@ -52,6 +53,13 @@ from .tensor_parallel import (
 )
 
 __all__ = [
+    "sample_rows",
+    "pick_tokens",
+    "stop_cut",
+    "SamplingParams",
+    "RequestRefused",
+    "RequestOutput",
+    "Engine",
     "QUANTIZED_LINEAR_PATHS",
     "BatchStep",
     "BatchingKvCache",

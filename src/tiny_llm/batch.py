@@ -1,6 +1,7 @@
-"""Week 3 Day 1 (continuous batching), Day 2 (chunked prefill) and Day 3 (query padding).
+"""Week 3 Day 1 (continuous batching), Day 2 (chunked prefill) and Day 3 (query padding); Week 4
+Day 3 takes a request out from wherever it is (Scheduler.remove).
 
-batch_generate runs a Scheduler until every prompt is done. One iteration of the "alternate"
+The Engine (engine.py) runs a Scheduler one iteration at a time. One iteration of the "alternate"
 policy (Scheduler.alternate_step):
   admit a waiting prompt when a slot is free and nothing is being prefilled,
   prefill at most prefill_step tokens of the prompt being prefilled,
@@ -17,11 +18,11 @@ import mlx.core as mx
 from tiny_llm_support import Tokenizer
 
 from .batching_kv_cache import BatchingKvCache
-from .memory_planning import can_admit, free_pages, make_room, pages_for, refusal
+from .memory_planning import can_admit, free_pages, make_room, pages_for
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
+from .sampler import SamplingParams, pick_tokens
 from .shape_stable import Ladder, query_ladder
-from .stall_free import hybrid_step
 
 
 class Request:
@@ -33,6 +34,7 @@ class Request:
     the same setting as batch_generate's prefill_step. query_padding (Week 3 Day 3) pads each
     chunk to a width of prefill_query_width's ladder (True), of a ladder function given here,
     or not at all (False); None means padding exactly when the model runs compiled.
+    `sampling` (Week 4 Day 3) picks its tokens: greedy unless it says otherwise.
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class Request:
         max_new_tokens: int | None = None,
         ignore_eos: bool = False,
         query_padding: bool | Ladder | None = None,
+        sampling: SamplingParams | None = None,
     ):
         if prefill_max_step < 1:
             raise ValueError(f"prefill_max_step must be >= 1, got {prefill_max_step}")
@@ -72,6 +75,7 @@ class Request:
         self.query_width = query_ladder(model, query_padding)
         self.pools = pools
         self.admitted = 0  # when the scheduler admitted it last (Week 3 Day 6)
+        self.sampler = (sampling or SamplingParams()).sampler()  # None: greedy (Week 4 Day 3)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -203,50 +207,25 @@ class BatchStep:
     detail: str = ""
 
 
-def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
-    for name, value in [
-        ("max_seq_len", max_seq_len),
-        ("batch_size", batch_size),
-        ("prefill_step", prefill_step),
-    ]:
-        if value < 1:
-            raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> list[int | None]:
-    """One max_new_tokens per prompt, from None, one int for all, or a list with one each."""
-    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-    if len(budgets) != n:
-        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
-    for idx, budget in enumerate(budgets):
-        if budget is not None and budget < 1:
-            raise ValueError(f"max_new_tokens of prompt {idx} must be >= 1, got {budget}")
-    return budgets
-
-
 class Scheduler:
-    """What one batch_generate call keeps from iteration to iteration, for either policy:
-    the prompts still waiting (as (prompt_idx, token ids), or as a preempted Request), the
-    slots, the prompt being prefilled outside the slots (the alternate policy), the page
-    pools, the finished texts, and a count of forward passes and admissions."""
+    """What the engine keeps from iteration to iteration, for either policy: the requests
+    still waiting (new, or preempted), the slots, the request being prefilled outside the
+    slots (the alternate policy), the page pools, and a count of forward passes and
+    admissions."""
 
     def __init__(
         self,
         model: Qwen3Model,
-        new_request: Callable[[int, list[int]], Request],
-        prompts: list[list[int]],
         batch_size: int,
         pools: list[TinyKvPagedPool] | None = None,
         on_step: Callable[[BatchStep], None] | None = None,
     ):
         self.model = model
-        self.new_request = new_request  # (prompt_idx, token ids) -> Request
-        self.pending: deque = deque(enumerate(prompts))
+        self.pending: deque[Request] = deque()
         self.slots: list[Request | None] = [None] * batch_size
         self.prefilling: Request | None = None
         self.batch_cache = [BatchingKvCache(batch_size) for _ in range(model.num_hidden_layers)]
         self.pools = pools
-        self.results: dict[int, str] = {}
         self.passes = self.admissions = 0
         self.waiting: Request | None = None  # the prompt last reported as waiting for pages
         self.on_step = on_step
@@ -269,17 +248,10 @@ class Scheduler:
         return sum(pages_for(r, len(r.prefill_tokens) - r.offset) for r in prefilling)
 
     def admit(self) -> Request | None:
-        """The next waiting prompt as a Request, or None while none can start: a prompt that
-        can never fit is refused and skipped, one that does not fit now waits."""
-        while self.pending:
-            head = self.pending[0]
-            request = head if isinstance(head, Request) else self.new_request(*head)
-            self.pending[0] = request  # built once, however long it waits
-            reason = refusal(request.longest, self.pools)
-            if reason is not None:
-                self.pending.popleft()
-                self.report("refuse", request, detail=f"prompt {request.prompt_idx} {reason}")
-                continue
+        """The next waiting request, or None while it does not fit the pool (it waits; the
+        engine refused any request that could never fit before queueing it)."""
+        if self.pending:
+            request = self.pending[0]
             alone = self.prefilling is None and not any(self.slots)  # headroom is for others
             if not alone and not can_admit(len(request.prefill_tokens), self.owed(), self.pools):
                 if self.waiting is not request:
@@ -295,18 +267,26 @@ class Scheduler:
 
     def preempt(self, request: Request) -> None:
         """Take a running request out of its slot, free its pages and queue it first."""
-        slot = next(i for i, r in enumerate(self.slots) if r is request)
-        self.slots[slot] = None
-        for layer_cache in self.batch_cache:
-            if layer_cache.slots[slot] is not None:
-                layer_cache.remove_request(slot)
+        self.vacate(self.slots.index(request))
         request.preempt()
         self.pending.appendleft(request)
         self.report("preempt", request)
 
+    def vacate(self, slot: int) -> None:
+        """Empty a slot, and the batch caches' row of it if the request had reached them (a
+        request still being prefilled under the hybrid policy has not)."""
+        self.slots[slot] = None
+        for layer_cache in self.batch_cache:
+            if layer_cache.slots[slot] is not None:
+                layer_cache.remove_request(slot)
+
+    def remove(self, request: Request) -> bool:
+        """Take `request` out wherever it is (waiting, preempted, being prefilled, decoding)
+        and give its slot and pages back at once. False if the scheduler does not hold it."""
+        raise NotImplementedError("Week 4 Day 3, Task 1: take a request out from any state")
+
     def finish(self, request: Request) -> None:
         request.release()
-        self.results[request.prompt_idx] = request.text()
         self.report("finish", request)
 
     def release(self) -> None:
@@ -337,62 +317,3 @@ def decode_step(
 ) -> None:
     """One token for every active request, in one batched forward pass."""
     raise NotImplementedError("Week 3 Day 1, Task 5: one batched decode step")
-
-
-POLICIES = ("alternate", "hybrid")
-
-
-def batch_generate(
-    model: Qwen3Model,
-    tokenizer: Tokenizer,
-    prompts: list[str | list[int]],
-    max_seq_len: int = 512,
-    batch_size: int = 5,
-    prefill_step: int = 128,
-    pools: list[TinyKvPagedPool] | None = None,
-    on_step: Callable[[BatchStep], None] | None = None,
-    max_new_tokens: int | list[int | None] | None = None,
-    ignore_eos: bool = False,
-    query_padding: bool | Ladder | None = None,
-    policy: str = "alternate",
-) -> list[tuple[int, str]]:
-    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
-
-    prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
-    is the token budget of a whole forward pass, decode rows included. Prompts are text or
-    token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
-    Request. Every prompt and limit is checked before any cache exists.
-    """
-    check_limits(max_seq_len, batch_size, prefill_step)
-    if policy not in POLICIES:
-        raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
-    budgets = output_budgets(max_new_tokens, len(prompts))
-    vocab = model.config.vocab_size
-    tokens = [prompt_tokens(tokenizer, p, vocab, idx) for idx, p in enumerate(prompts)]
-    for idx, ids in enumerate(tokens):
-        if len(ids) > max_seq_len:
-            raise ValueError(
-                f"prompt {idx} has {len(ids)} tokens, more than max_seq_len={max_seq_len}"
-            )
-
-    def new_request(idx: int, ids: list[int]) -> Request:
-        return Request(
-            model, tokenizer, ids, prefill_step, idx, max_seq_len, pools,
-            budgets[idx], ignore_eos, query_padding,
-        )  # fmt: skip
-
-    scheduler = Scheduler(model, new_request, tokens, batch_size, pools, on_step)
-    if policy == "hybrid":
-        ladder = query_ladder(model, query_padding)
-        step = lambda: hybrid_step(scheduler, prefill_step, ladder)
-    else:
-        step = scheduler.alternate_step
-    try:
-        while scheduler.busy:
-            before = (scheduler.passes, len(scheduler.pending), len(scheduler.results))
-            step()
-            if before == (scheduler.passes, len(scheduler.pending), len(scheduler.results)):
-                raise RuntimeError(f"the {policy} scheduler made no progress in an iteration")
-    finally:
-        scheduler.release()
-    return sorted(scheduler.results.items())

@@ -15,6 +15,7 @@ import mlx.core as mx
 from .basics import linear
 from .memory_planning import free_pages, make_room, pages_for
 from .qwen3 import attention_mask
+from .sampler import pick_tokens
 from .shape_stable import Ladder
 
 

@@ -1,6 +1,8 @@
-"""Week 1 Day 6: turning logits into the next token."""
+"""Week 1 Day 6: turning logits into the next token. Week 4 Day 3: a batch whose requests
+each sample with their own settings."""
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -56,4 +58,74 @@ def keep_top_p(scaled: mx.array, top_p: float) -> mx.array:
     keep_sorted = before < top_p  # the top token is always kept
     keep = mx.put_along_axis(mx.zeros_like(keep_sorted), order, keep_sorted, axis=-1)
     return mx.where(keep, scaled, -mx.inf)
+    # END TASK
+
+
+# --- Week 4 Day 3: each request of a batch with its own settings ------------------------------
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one served request picks its tokens and when it stops.
+
+    max_tokens bounds the generated tokens (None: only max_seq_len does); temperature 0 is
+    greedy; top_k / top_p / seed as for make_sampler; generation stops at the first of the
+    `stop` strings (which is not part of the text), or at EOS unless ignore_eos.
+    """
+
+    max_tokens: int | None = None
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def check(self) -> None:
+        """A ValueError naming the first setting out of range."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not self.temperature >= 0:  # also refuses NaN
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {self.top_k}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must be in 0 .. 2**64 - 1, got {self.seed}")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop must hold non-empty strings, got {list(self.stop)}")
+
+    def sampler(self) -> Sampler | None:
+        """A sampler of its own for a request (None when greedy): it keeps the request's own
+        random key, so a seeded request draws the same tokens alone or in any batch."""
+        if self.greedy:
+            return None
+        return make_sampler(self.temperature, self.top_k, self.top_p, self.seed)
+
+
+def pick_tokens(logits: mx.array, requests: list) -> list[int]:
+    """logits [B, V], row i for requests[i] -> the next token of each request. A batch of
+    greedy requests is one argmax; any other goes row by row (sample_rows)."""
+    if all(r.sampler is None for r in requests):
+        return mx.argmax(logits, axis=-1).tolist()
+    return sample_rows(logits, requests)
+
+
+def sample_rows(logits: mx.array, requests: list) -> list[int]:
+    """Row i drawn with requests[i].sampler, its own settings and key; a request whose
+    sampler is None (temperature 0) gets exactly the argmax of its row."""
+    # BEGIN TASK Week 4 Day 3, Task 2: sample each row with its own request's sampler
+    greedy = mx.argmax(logits, axis=-1)  # [B]
+    picked = []
+    for i, request in enumerate(requests):
+        if request.sampler is None:
+            picked.append(greedy[i].item())
+        else:
+            picked.append(request.sampler(logits[i : i + 1]).item())  # [1, V] -> [1]
+    return picked
     # END TASK

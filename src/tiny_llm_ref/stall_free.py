@@ -15,6 +15,7 @@ import mlx.core as mx
 from .basics import linear
 from .memory_planning import free_pages, make_room, pages_for
 from .qwen3 import attention_mask
+from .sampler import pick_tokens
 from .shape_stable import Ladder
 
 
@@ -119,15 +120,21 @@ def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
     if ladder is not None:  # a pass with a chunk goes up the ladder, decode alone to batch size
         width = ladder(len(tokens), budget) if chunks else len(scheduler.slots)
         tokens += [tokens[-1]] * (width - len(tokens))
-    logits = forward_ragged(scheduler.model, mx.array([tokens]), segments)  # [1, segments, V]
-    next_tokens = mx.argmax(logits[0], axis=-1).tolist()
+    logits = forward_ragged(scheduler.model, mx.array([tokens]), segments)[0]  # [segments, V]
     scheduler.passes += 1
-    for request, token in zip(decoding, next_tokens):
-        request.decode_done(token)
-    for (request, ids), token in zip(chunks, next_tokens[len(decoding) :]):
+    first = []  # the chunks that complete a fresh prompt: their last row gives its first token
+    for j, (request, ids) in enumerate(chunks):
         request.materialize()
         if request.chunk_done(len(ids)):
-            request.accept(token)
+            first.append(j)
+    rows = list(range(len(decoding))) + [len(decoding) + j for j in first]
+    takers = decoding + [chunks[j][0] for j in first]
+    next_tokens = pick_tokens(logits[mx.array(rows)], takers) if rows else []
+    for request, token in zip(decoding, next_tokens):
+        request.decode_done(token)
+    for j, token in zip(first, next_tokens[len(decoding) :]):
+        chunks[j][0].accept(token)
+    for request, ids in chunks:
         scheduler.report("prefill", request, len(ids))
     if decoding:
         scheduler.report("decode", None, len(decoding))

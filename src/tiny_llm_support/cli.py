@@ -18,6 +18,7 @@ from .models import SHORTCUTS, resolve_model
 __all__ = [
     "DEVICES",
     "DTYPES",
+    "DefaultsHelpFormatter",
     "SOLUTIONS",
     "add_solution_argument",
     "cpu_hints",
@@ -52,6 +53,16 @@ _ONE_LINE = {**_CONTROLS, ord("\n"): "\u21b5", ord("\t"): " "}
 def printable(text: str, one_line: bool = False) -> str:
     """Model text made safe to print on a terminal."""
     return text.translate(_ONE_LINE if one_line else _CONTROLS)
+
+
+class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each option's default, except where "(default: None)" or "(default: False)"
+    would say nothing: a default of None (its help says what happens) and on/off flags."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def script_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -1,0 +1,360 @@
+"""Week 4 Day 3: an engine that never stops.
+
+batch_generate is handed every prompt up front and returns when the last one is done. A server
+cannot work that way: requests arrive while others run, each with its own sampling settings and
+stop strings, and a client reads its text as it is produced and may hang up half way. The Engine
+runs the scheduler of Week 3 one iteration at a time:
+
+    rid = engine.add_request(prompt, params)   # at any time, also between two steps
+    outputs = engine.step()                    # one iteration: what is new for each request
+    engine.abort(rid)                          # from any state: slot and pages back at once
+
+batch_generate is a loop over it (add every prompt, step until idle), so there is one scheduler.
+"""
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tiny_llm_support import Tokenizer
+
+from .batch import BatchStep, Request, Scheduler, prompt_tokens
+from .memory_planning import free_pages, refusal
+from .paged_kv_cache import TinyKvPagedPool
+from .qwen3 import Qwen3Model
+from .sampler import SamplingParams
+from .shape_stable import Ladder, query_ladder
+from .stall_free import hybrid_step
+
+POLICIES = ("alternate", "hybrid")
+
+
+class RequestRefused(ValueError):
+    """A request that could not fit even an empty page pool; nothing was allocated for it."""
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: the text and tokens new since its last output,
+    and, on its last output, why it ended ("stop": EOS or a stop string, "length": max_tokens
+    or max_seq_len, "abort")."""
+
+    request_id: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+@dataclass
+class Stream:
+    """How much of one request's output the engine has handed out."""
+
+    request: Request
+    params: SamplingParams
+    tokens_sent: int = 0
+    chars_sent: int = 0
+
+
+def stop_cut(text: str, stops: tuple[str, ...]) -> tuple[int, bool]:
+    """`text` is generated but not sent yet. Returns how many of its characters may be sent now,
+    and whether a stop string was found: then the text is cut where the first stop string
+    starts. Otherwise an end of the text that could be the start of a stop string is held
+    back until the next tokens decide it."""
+    if not stops:
+        return len(text), False
+    # BEGIN TASK Week 4 Day 3, Task 3: cut at a stop string; hold back what may begin one
+    starts = [text.find(stop) for stop in stops if stop in text]
+    if starts:
+        return min(starts), True
+    held = [n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])]
+    return len(text) - max(held, default=0), False
+    # END TASK
+
+
+class Engine:
+    """The Scheduler of Week 3 (either policy, dense or paged caches, memory planning and
+    padding as in batch_generate), fed one request at a time and stepped one iteration at a
+    time. Not thread-safe: one thread owns it (and MLX)."""
+
+    def __init__(
+        self,
+        model: Qwen3Model,
+        tokenizer: Tokenizer,
+        max_seq_len: int = 512,
+        batch_size: int = 5,
+        prefill_step: int = 128,
+        pools: list[TinyKvPagedPool] | None = None,
+        policy: str = "alternate",
+        query_padding: bool | Ladder | None = None,
+        on_step: Callable[[BatchStep], None] | None = None,
+    ):
+        check_limits(max_seq_len, batch_size, prefill_step)
+        if policy not in POLICIES:
+            raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+        self.model, self.tokenizer, self.pools = model, tokenizer, pools
+        self.max_seq_len, self.prefill_step, self.policy = max_seq_len, prefill_step, policy
+        self.query_padding, self.on_step = query_padding, on_step
+        self.scheduler = Scheduler(model, batch_size, pools, self.observe)
+        self.streams: dict[int, Stream] = {}
+        self.ended: list[RequestOutput] = []  # final outputs decided between steps (aborts)
+        self.next_id = 0
+        self.counts = dict.fromkeys(COUNTS, 0)
+
+    # --- requests in and out ---------------------------------------------------------------
+
+    def check_prompt(self, prompt: str | list[int], request_id: int) -> list[int]:
+        """The prompt's token ids; a ValueError if it is empty, holds an id outside the
+        vocabulary or is longer than max_seq_len."""
+        tokens = prompt_tokens(self.tokenizer, prompt, self.model.config.vocab_size, request_id)
+        if len(tokens) > self.max_seq_len:
+            raise ValueError(
+                f"prompt {request_id} has {len(tokens)} tokens, more than "
+                f"max_seq_len={self.max_seq_len}"
+            )
+        return tokens
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> int:
+        """Queue a request; it joins the batch at a later step. Every check runs before
+        anything is allocated; a request that could never fit the pool is reported to
+        on_step ("refuse") and raises RequestRefused."""
+        params = params or SamplingParams()
+        params.check()
+        rid = self.next_id
+        tokens = self.check_prompt(prompt, rid)
+        self.next_id += 1
+        request = Request(
+            self.model, self.tokenizer, tokens, self.prefill_step, rid, self.max_seq_len,
+            self.pools, params.max_tokens, params.ignore_eos, self.query_padding, params,
+        )  # fmt: skip
+        reason = refusal(request.longest, self.pools)
+        if reason is not None:
+            self.scheduler.report("refuse", request, detail=f"prompt {rid} {reason}")
+            raise RequestRefused(f"prompt {rid} {reason}")
+        self.scheduler.pending.append(request)
+        self.streams[rid] = Stream(request, params)
+        return rid
+
+    def abort(self, request_id: int) -> None:
+        """Stop a request wherever it is; its slot and pages are free when this returns. The
+        next step reports its last output. An unknown or finished id is ignored."""
+        stream = self.streams.get(request_id)
+        if stream is None:
+            return
+        self.scheduler.remove(stream.request)
+        self.counts["requests_aborted"] += 1
+        self.ended.append(self.end(stream, "", [], "abort"))
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.busy or bool(self.ended)
+
+    # --- one iteration -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduler iteration, then each request's new text and tokens. An exception
+        inside the iteration gives every page and slot back and ends every request."""
+        outputs, self.ended = self.ended, []
+        if self.scheduler.busy:
+            before = self.progress()
+            try:
+                self.iterate()
+                self.check_progress(before)
+            except BaseException:
+                self.release()
+                raise
+        for stream in list(self.streams.values()):
+            output = self.collect(stream)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def iterate(self) -> None:
+        if self.policy == "hybrid":
+            ladder = query_ladder(self.model, self.query_padding)
+            hybrid_step(self.scheduler, self.prefill_step, ladder)
+        else:
+            self.scheduler.alternate_step()
+
+    def progress(self) -> tuple:
+        """What every iteration must change: the queue, the prompt being prefilled, or the
+        tokens cached or generated by a running request."""
+        s = self.scheduler
+        running = tuple((r, r.offset, len(r.generated)) for r in s.running())
+        return len(s.pending), s.prefilling, s.prefilling and s.prefilling.offset, running
+
+    def check_progress(self, before: tuple) -> None:
+        for slot, request in enumerate(self.scheduler.slots):
+            if request is not None and request.is_done:
+                raise RuntimeError(
+                    f"request {request.prompt_idx} is done but still holds slot {slot}: a "
+                    "finished request must leave its slot in the iteration it ends"
+                )
+        if self.progress() == before:
+            raise RuntimeError(
+                f"the {self.policy} scheduler made no progress in an iteration: no prompt "
+                "token was prefilled, no token generated, no request admitted, preempted or "
+                "finished"
+            )
+
+    def collect(self, stream: Stream) -> RequestOutput | None:
+        """The request's new tokens and the text that may be sent; its last output when it
+        has ended (the scheduler finished it, or a stop string appeared in its text)."""
+        request = stream.request
+        tokens = request.generated[stream.tokens_sent :]
+        text = self.visible_text(request)[stream.chars_sent :]
+        cut, stopped = stop_cut(text, stream.params.stop)
+        if stopped:
+            self.scheduler.remove(request)  # it may be running still
+            self.scheduler.report("finish", request)
+            reason = "stop"
+        elif request.is_done:
+            cut, reason = len(text), self.finish_reason(request)
+        elif not tokens and not cut:
+            return None
+        else:
+            reason = None
+        stream.tokens_sent += len(tokens)
+        stream.chars_sent += cut
+        if reason is None:
+            return RequestOutput(
+                request.prompt_idx, text[:cut], tokens, None,
+                len(request.prompt_tokens), len(request.generated),
+            )  # fmt: skip
+        self.counts["requests_finished"] += 1
+        return self.end(stream, text[:cut], tokens, reason)
+
+    def end(self, stream: Stream, text: str, tokens: list[int], reason: str) -> RequestOutput:
+        request = stream.request
+        del self.streams[request.prompt_idx]
+        return RequestOutput(
+            request.prompt_idx, text, tokens, reason,
+            len(request.prompt_tokens), len(request.generated),
+        )  # fmt: skip
+
+    def visible_text(self, request: Request) -> str:
+        """The request's text without the EOS token's own text at its end."""
+        text = request.text()
+        if request.generated and request.generated[-1] in request.eos_token_ids:
+            eos_text = self.tokenizer.decode(request.generated[-1:])
+            text = text.removesuffix(eos_text)
+        return text
+
+    @staticmethod
+    def finish_reason(request: Request) -> str:
+        return "stop" if request.generated[-1] in request.eos_token_ids else "length"
+
+    # --- bookkeeping ---------------------------------------------------------------------------
+
+    def observe(self, step: BatchStep) -> None:
+        """Count what the scheduler reports, then pass the event on."""
+        if step.kind == "prefill":
+            self.counts["prompt_tokens_prefilled"] += step.tokens
+        elif step.kind == "decode":
+            self.counts["tokens_decoded"] += step.tokens
+        elif step.kind == "preempt":
+            self.counts["preemptions"] += 1
+        if self.on_step is not None:
+            self.on_step(step)
+
+    def stats(self) -> dict[str, int | None]:
+        """Gauges and counters for a metrics page."""
+        s = self.scheduler
+        free = free_pages(self.pools)
+        return {
+            "running": len(s.running()) + (s.prefilling is not None),
+            "waiting": len(s.pending),
+            "pages_in_use": self.pools[0].num_in_use if self.pools else 0,
+            "pages_free": None if free == math.inf else int(free),
+            **self.counts,
+        }
+
+    def release(self) -> None:
+        """Give every cache back and forget every request (after an error, or at shutdown)."""
+        self.scheduler.release()
+        for stream in self.streams.values():
+            stream.request.release()
+        self.streams.clear()
+        self.scheduler.pending.clear()
+        self.scheduler.prefilling = None
+        self.scheduler.slots = [None] * len(self.scheduler.slots)
+
+
+COUNTS = (
+    "prompt_tokens_prefilled",
+    "tokens_decoded",
+    "preemptions",
+    "requests_finished",
+    "requests_aborted",
+)
+
+
+def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
+    for name, value in [
+        ("max_seq_len", max_seq_len),
+        ("batch_size", batch_size),
+        ("prefill_step", prefill_step),
+    ]:
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+
+
+def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> list[int | None]:
+    """One max_new_tokens per prompt, from None, one int for all, or a list with one each."""
+    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
+    if len(budgets) != n:
+        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
+    for idx, budget in enumerate(budgets):
+        if budget is not None and budget < 1:
+            raise ValueError(f"max_new_tokens of prompt {idx} must be >= 1, got {budget}")
+    return budgets
+
+
+def batch_generate(
+    model: Qwen3Model,
+    tokenizer: Tokenizer,
+    prompts: list[str | list[int]],
+    max_seq_len: int = 512,
+    batch_size: int = 5,
+    prefill_step: int = 128,
+    pools: list[TinyKvPagedPool] | None = None,
+    on_step: Callable[[BatchStep], None] | None = None,
+    max_new_tokens: int | list[int | None] | None = None,
+    ignore_eos: bool = False,
+    query_padding: bool | Ladder | None = None,
+    policy: str = "alternate",
+) -> list[tuple[int, str]]:
+    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
+
+    prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
+    is the token budget of a whole forward pass, decode rows included. Prompts are text or
+    token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
+    Request. Every prompt and limit is checked before any cache exists. A prompt that could
+    never fit the pool is refused (an on_step "refuse" event) and has no result.
+    """
+    results: dict[int, str] = {}
+
+    def record(step: BatchStep) -> None:
+        if step.kind == "finish":
+            results[step.request.prompt_idx] = step.request.text()
+        if on_step is not None:
+            on_step(step)
+
+    engine = Engine(
+        model, tokenizer, max_seq_len, batch_size, prefill_step, pools, policy, query_padding,
+        record,
+    )  # fmt: skip
+    budgets = output_budgets(max_new_tokens, len(prompts))
+    tokens = [engine.check_prompt(prompt, idx) for idx, prompt in enumerate(prompts)]
+    try:
+        for ids, budget in zip(tokens, budgets):
+            try:
+                engine.add_request(ids, SamplingParams(max_tokens=budget, ignore_eos=ignore_eos))
+            except RequestRefused:
+                pass  # reported to on_step; the other prompts run
+        while engine.has_work:
+            engine.step()
+    finally:
+        engine.release()
+    return sorted(results.items())

@@ -1,0 +1,409 @@
+"""The HTTP side of serve.py: an OpenAI-compatible API (FastAPI on uvicorn) around an engine
+that runs on its own thread (server_engine.EngineService).
+
+    POST /v1/chat/completions   the chat template, then generation; streamed or not
+    POST /v1/completions        a text or token-id prompt
+    GET  /v1/models             the one model served
+    GET  /health                200 while the engine runs, 503 once it stops
+    GET  /metrics               engine.stats() in Prometheus' text format
+
+A handler checks the request (server_api), turns it into token ids and sampling settings, and
+hands it to the engine thread; it never calls the model. The engine's outputs come back on the
+request's Channel and go out as one JSON response or as server-sent events. A client that hangs
+up gets its request aborted, so its slot and pages serve someone else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import math
+import signal
+import socket
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException
+
+from .server_api import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    Reply,
+    parse_request,
+    sampling_settings,
+    sse,
+    usage,
+)
+from .server_engine import Accepted, Channel, EngineService
+
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
+DRAIN_BYTES = 16 << 20  # read (and drop) a too-large body up to this size before answering
+
+
+@dataclass
+class ServerSettings:
+    """What the HTTP side needs to know about the model and the engine."""
+
+    model_id: str  # the name clients send as "model"
+    max_seq_len: int  # prompt + answer tokens of one request
+    vocab_size: int
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    max_body_bytes: int = MAX_BODY_BYTES
+
+
+class OpenAIServer:
+    """The request handlers, around one EngineService."""
+
+    def __init__(
+        self,
+        service: EngineService,
+        tokenizer: Any,
+        make_params: Callable[..., Any],
+        settings: ServerSettings,
+    ) -> None:
+        self.service, self.tokenizer, self.make_params = service, tokenizer, make_params
+        self.settings = settings
+        self.started = int(time.time())
+
+    def app(self) -> FastAPI:
+        """The FastAPI app. No /docs page: FastAPI's loads its scripts from a CDN."""
+        app = FastAPI(title="tiny-llm", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_exception_handler(ApiError, _error_response)
+        app.add_exception_handler(HTTPException, _http_error_response)
+        return app
+
+    # --- endpoints ----------------------------------------------------------------------------
+
+    async def chat_completions(self, request: Request) -> Response:
+        self._authorize(request)
+        body = parse_request(await read_body(request, self.settings.max_body_bytes), ChatRequest)
+        self._check_model(body.model)
+        try:
+            text = self.tokenizer.apply_chat_template(body.conversation())
+        except (TemplateError, ValueError) as e:
+            raise ApiError(400, f"the chat template refused 'messages': {e}", "messages") from e
+        return await self._generate(request, "chat", body, self.tokenizer.encode(text))
+
+    async def completions(self, request: Request) -> Response:
+        self._authorize(request)
+        raw = await read_body(request, self.settings.max_body_bytes)
+        body = parse_request(raw, CompletionRequest)
+        self._check_model(body.model)
+        prompt = body.prompt
+        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
+        return await self._generate(request, "text", body, ids)
+
+    async def models(self, request: Request) -> dict[str, Any]:
+        self._authorize(request)
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, request: Request, model_id: str) -> dict[str, Any]:
+        self._authorize(request)
+        self._check_model(model_id)
+        return self._model_card()
+
+    async def health(self) -> Response:
+        if self.service.alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "stopped"}, status_code=503)
+
+    async def metrics(self) -> Response:
+        text = prometheus_text(self.service.snapshot, self.service.refused_busy)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    # --- checks -------------------------------------------------------------------------------
+
+    def _authorize(self, request: Request) -> None:
+        key = self.settings.api_key
+        if key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+            raise ApiError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                code="invalid_api_key",
+            )
+
+    def _check_model(self, model_id: str) -> None:
+        if model_id != self.settings.model_id:
+            raise ApiError(
+                404,
+                f"the model '{model_id}' does not exist: this server serves "
+                f"'{self.settings.model_id}' (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def _check_prompt(self, ids: list[int], field: str) -> None:
+        """An empty prompt, an id outside the vocabulary, or one longer than the context."""
+        if not ids:
+            raise ApiError(400, f"'{field}' is empty: there is no token to start from", field)
+        vocab = self.settings.vocab_size
+        outside = next((t for t in ids if not 0 <= t < vocab), None)
+        if outside is not None:
+            raise ApiError(
+                400, f"'{field}' holds token id {outside}, outside the vocabulary 0..{vocab - 1}"
+            )
+        limit = self.settings.max_seq_len
+        if len(ids) > limit:
+            raise ApiError(
+                400,
+                f"the context is {limit} tokens (--max-seq-len), but '{field}' has "
+                f"{len(ids)} tokens: shorten it",
+                param=field,
+                code="context_length_exceeded",
+            )
+
+    def _sampling_params(self, body: Any) -> Any:
+        try:
+            params = self.make_params(**sampling_settings(body))
+            params.check()
+        except ValueError as e:
+            raise ApiError(400, str(e)) from e
+        return params
+
+    def _model_card(self) -> dict[str, Any]:
+        return {
+            "id": self.settings.model_id,
+            "object": "model",
+            "created": self.started,
+            "owned_by": "tiny-llm",
+        }
+
+    # --- generation ---------------------------------------------------------------------------
+
+    async def _generate(self, request: Request, kind: str, body: Any, ids: list[int]) -> Response:
+        """Check, submit, wait until the engine has taken the request, then answer."""
+        self._check_prompt(ids, "messages" if kind == "chat" else "prompt")
+        channel = Channel(ids, self._sampling_params(body))
+        self.service.submit(channel)
+        try:
+            first = await channel.next()  # Accepted, or the ApiError of a refusal is raised
+        except asyncio.CancelledError:
+            self.service.cancel(channel)
+            raise
+        if not isinstance(first, Accepted):
+            raise RuntimeError(f"the engine thread answered {first!r} before accepting")
+        hangup = asyncio.create_task(self._cancel_on_hangup(request, channel))
+        options = body.stream_options
+        reply = Reply(kind, self.settings.model_id, bool(options and options.include_usage))
+        if body.stream:
+            events = self._stream(channel, reply, hangup)
+            return StreamingResponse(events, media_type="text/event-stream")
+        return await self._respond(channel, reply, hangup)
+
+    async def _cancel_on_hangup(self, request: Request, channel: Channel) -> None:
+        """Abort the request once its client disconnects. (Nothing else notices a client
+        that waits quietly for a response that is not streamed.)"""
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        self.service.cancel(channel)
+
+    async def _respond(self, channel: Channel, reply: Reply, hangup: asyncio.Task) -> Response:
+        """The whole answer as one JSON object."""
+        pieces, last = [], None
+        try:
+            async for output in outputs(channel):
+                pieces.append(output.text)
+                last = output
+        except asyncio.CancelledError:
+            self.service.cancel(channel)
+            raise
+        finally:
+            hangup.cancel()
+        answer = reply.response("".join(pieces), last.finish_reason, usage_of(last))
+        return JSONResponse(answer)
+
+    async def _stream(self, channel: Channel, reply: Reply, hangup: asyncio.Task):
+        """The answer as server-sent events; a stream left early aborts the request."""
+        finished = False
+        try:
+            async for event in sse_events(channel, reply):
+                yield event
+            finished = True
+        finally:
+            hangup.cancel()
+            if not finished:
+                self.service.cancel(channel)
+
+
+async def outputs(channel: Channel) -> AsyncIterator[Any]:
+    """The engine's outputs for one request, up to the one with a finish reason."""
+    while True:
+        output = await channel.next()
+        if output.finish_reason == "abort":
+            raise ApiError(503, "the request was aborted", kind="server_error")
+        yield output
+        if output.finish_reason is not None:
+            return
+
+
+async def sse_events(channel: Channel, reply: Reply) -> AsyncIterator[str]:
+    """Chunks with the new text, one with the finish reason, the usage if asked for, then
+    [DONE]. A failure half way ends the stream with an error object, as OpenAI's does."""
+    if reply.kind == "chat":
+        yield sse(reply.chunk(first=True))
+    try:
+        async for output in outputs(channel):
+            if output.text:
+                yield sse(reply.chunk(output.text))
+            if output.finish_reason is not None:
+                yield sse(reply.chunk(finish_reason=output.finish_reason))
+                if reply.include_usage:
+                    yield sse(reply.usage_chunk(usage_of(output)))
+    except ApiError as e:
+        yield sse(e.body())
+    yield sse("[DONE]")
+
+
+def usage_of(output: Any) -> dict[str, int]:
+    return usage(output.prompt_tokens, output.completion_tokens)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The body, or ApiError(413) past `limit` bytes. A larger body is still read (up to
+    DRAIN_BYTES) so that the client, which is still sending, receives the 413 instead of a
+    connection reset."""
+    body, size = bytearray(), 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            body += chunk
+        elif size > DRAIN_BYTES:
+            break
+    if size > limit:
+        raise ApiError(
+            413, f"the request body is over the limit of {limit} bytes", code="request_too_large"
+        )
+    return bytes(body)
+
+
+async def _error_response(request: Request, error: ApiError) -> Response:
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+async def _http_error_response(request: Request, error: HTTPException) -> Response:
+    """Starlette's own errors (no such route, wrong method) as OpenAI error objects."""
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return await _error_response(request, ApiError(error.status_code, message))
+
+
+# engine.stats() key -> (metric, type, help)
+METRICS = {
+    "running": ("tiny_llm_requests_running", "gauge", "requests holding a decode slot"),
+    "waiting": ("tiny_llm_requests_waiting", "gauge", "requests waiting for a slot or pages"),
+    "pages_in_use": ("tiny_llm_kv_pages_in_use", "gauge", "KV pages held by requests"),
+    "pages_free": ("tiny_llm_kv_pages_free", "gauge", "KV pages free in a bounded pool"),
+    "prompt_tokens_prefilled": (
+        "tiny_llm_prompt_tokens_prefilled_total",
+        "counter",
+        "prompt tokens run through the model",
+    ),
+    "tokens_decoded": ("tiny_llm_tokens_decoded_total", "counter", "tokens generated"),
+    "preemptions": ("tiny_llm_preemptions_total", "counter", "requests preempted for pages"),
+    "requests_finished": ("tiny_llm_requests_finished_total", "counter", "requests finished"),
+    "requests_aborted": ("tiny_llm_requests_aborted_total", "counter", "requests aborted"),
+}
+
+
+def prometheus_text(stats: dict[str, Any], refused_busy: int) -> str:
+    """Prometheus' text exposition format: # HELP, # TYPE, then `name value`. A stat that is
+    None (pages_free of an unbounded pool) is left out; a stat not in METRICS is a gauge."""
+    rows = {**stats, "refused_busy": refused_busy}
+    known = {
+        **METRICS,
+        "refused_busy": (
+            "tiny_llm_requests_refused_busy_total",
+            "counter",
+            "requests refused with 429 (--max-waiting)",
+        ),
+    }
+    lines = []
+    for key, value in rows.items():
+        if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
+            continue
+        name, kind, help_text = known.get(key, (f"tiny_llm_{key}", "gauge", f"engine {key}"))
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+# --- running it -------------------------------------------------------------------------------
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StoppableServer(uvicorn.Server):
+    """uvicorn's server, with SIGINT and SIGTERM handled here.
+
+    The first signal calls `on_stop` (which fails the requests in flight, so that their
+    streams end with an error chunk rather than hang) and lets uvicorn finish its connections;
+    a second one stops at once. Unlike uvicorn's own handler, the signal is not raised again
+    afterwards: `stop_signal` tells the caller which one came, and it chooses the exit status.
+    """
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
+        self.stop_signal: int | None = None
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: Any) -> None:
+        if self.should_exit:
+            self.force_exit = True
+            return
+        self.stop_signal = sig
+        self.should_exit = True
+        self.on_stop()
+
+    def stop(self) -> None:
+        """Stop from another thread (the engine's, when it fails): uvicorn checks this flag
+        ten times a second."""
+        self.should_exit = True
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket (port 0: any free port), made before the model loads so that a
+    port in use is reported at once. OSError when it cannot be had."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(app: FastAPI, sock: socket.socket, service: EngineService) -> StoppableServer:
+    """Serve on `sock` until a signal, or until the engine fails; returns the stopped server
+    (its stop_signal says which signal, if any, stopped it)."""
+    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)
+    server = StoppableServer(config, on_stop=service.close)
+    service.on_failure = server.stop
+    server.run(sockets=[sock])
+    return server

@@ -1,0 +1,295 @@
+"""The OpenAI wire format of serve.py: request bodies checked with pydantic, and the JSON of
+responses, stream chunks and errors.
+
+Every check here runs before a request reaches the engine, so a refused request costs the engine
+nothing. A field the server does not implement is refused by name rather than ignored: a client
+that asks for `logprobs` or `tools` and silently gets none would be misled. Clients do send some
+of those fields with the value that means "off" (`n: 1`, `logprobs: false`, ...); NEUTRAL lists
+the values that are accepted for that reason.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+MAX_SEED = 2**64 - 1
+
+# field -> (values that leave the output unchanged, why another value is refused)
+NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
+    "n": ((1,), "this server returns one choice per request: send n = 1 or leave it out"),
+    "best_of": ((1,), "this server returns one choice per request: send best_of = 1"),
+    "logprobs": ((False, 0), "this server does not return log probabilities"),
+    "top_logprobs": ((0,), "this server does not return log probabilities"),
+    "echo": ((False,), "this server does not echo the prompt back"),
+    "presence_penalty": ((0,), "this server has no presence penalty"),
+    "frequency_penalty": ((0,), "this server has no frequency penalty"),
+    "logit_bias": (({},), "this server does not bias logits"),
+    "tools": (([],), "this server does not call tools"),
+    "tool_choice": (("none",), "this server does not call tools"),
+    "functions": (([],), "this server does not call functions"),
+    "function_call": (("none",), "this server does not call functions"),
+    "parallel_tool_calls": ((True, False), "this server does not call tools"),
+    "response_format": (({"type": "text"},), "this server only writes free text"),
+    "modalities": ((["text"],), "this server only writes text"),
+    "store": ((False,), "this server stores nothing"),
+    "suffix": (("",), "this server does not insert text before a suffix"),
+}
+
+
+class ApiError(Exception):
+    """A request the server refuses: an HTTP status and OpenAI's error object."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.kind, self.headers = kind, headers or {}
+
+    def body(self) -> dict[str, Any]:
+        """{"error": {message, type, param, code}}, what OpenAI's clients parse."""
+        error = {"message": self.message, "type": self.kind, "param": self.param}
+        return {"error": {**error, "code": self.code}}
+
+
+class _Body(BaseModel):
+    """Strict: "1" is not a number and an unknown field is an error (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: Any
+
+    @field_validator("content")
+    @classmethod
+    def _text_only(cls, content: Any) -> str:
+        """A string, or a list of {"type": "text", "text": ...} parts (joined)."""
+        if isinstance(content, str):
+            return content
+        if isinstance(content, list):
+            return "".join(_text_part(part, i) for i, part in enumerate(content))
+        raise ValueError("must be a string or a list of text parts")
+
+
+def _text_part(part: Any, index: int) -> str:
+    if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
+        raise ValueError(f"part {index}: only {{'type': 'text', 'text': ...}} parts are supported")
+    if not isinstance(part["text"], str):
+        raise ValueError(f"part {index}: 'text' must be a string")
+    return part["text"]
+
+
+class _Generation(_Body):
+    """What both endpoints take: sampling, limits, stop strings, streaming."""
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
+    top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
+    top_k: int | None = Field(None, ge=1)  # not OpenAI's; vLLM and mlx-lm take it too
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
+    stop: Any = ()
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # not OpenAI's: fixed-length answers for load tests (as vLLM)
+    user: str | None = None  # an end-user id for the operator's logs; it changes no output
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, stop: Any) -> tuple[str, ...]:
+        """None, a string or a list of strings, each non-empty; always a tuple."""
+        stops = [stop] if isinstance(stop, str) else [] if stop is None else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise ValueError("must be a string or a list of strings")
+        if not all(stops):
+            raise ValueError("a stop string must not be empty")
+        return tuple(stops)
+
+    @property
+    def limit(self) -> int | None:
+        """The most tokens to generate (None: up to the context's end)."""
+        return self.max_tokens
+
+
+class ChatRequest(_Generation):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+
+    @property
+    def limit(self) -> int | None:
+        """max_completion_tokens, OpenAI's newer name, or else max_tokens."""
+        return self.max_completion_tokens or self.max_tokens
+
+    def conversation(self) -> list[dict[str, str]]:
+        """The messages as the chat template takes them (a "developer" message is the newer
+        name of a "system" one)."""
+        role = lambda r: "system" if r == "developer" else r
+        return [{"role": role(m.role), "content": m.content} for m in self.messages]
+
+
+class CompletionRequest(_Generation):
+    prompt: Any
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt: Any) -> str | list[int]:
+        """One prompt: text, or token ids (a list of several prompts is refused)."""
+        if isinstance(prompt, str):
+            return prompt
+        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
+            return prompt
+        if isinstance(prompt, list):
+            raise ValueError("must be one prompt: a string or a list of token ids")
+        raise ValueError("must be a string or a list of token ids")
+
+
+def sampling_settings(body: _Generation) -> dict[str, Any]:
+    """SamplingParams' keywords for a request. The defaults are OpenAI's (temperature 1,
+    top_p 1): a client that wants greedy text sends temperature 0."""
+    if body.stream_options is not None and not body.stream:
+        raise ApiError(400, "'stream_options' is only allowed with stream: true", "stream_options")
+    return {
+        "max_tokens": body.limit,
+        "temperature": 1.0 if body.temperature is None else body.temperature,
+        "top_p": 1.0 if body.top_p is None else body.top_p,
+        "top_k": body.top_k,
+        "seed": body.seed,
+        "stop": body.stop,
+        "ignore_eos": body.ignore_eos,
+    }
+
+
+def parse_request(raw: bytes, kind: type[_Body]) -> Any:
+    """The request body as `kind`, or ApiError(400) naming the field at fault."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return kind.model_validate(_without_neutral(data))
+    except ValidationError as e:
+        raise _first_problem(e) from None
+
+
+def _without_neutral(data: dict[str, Any]) -> dict[str, Any]:
+    """The body less the unsupported fields sent with a value that changes nothing; an
+    unsupported field with any other value is refused here, by name."""
+    kept = {}
+    for name, value in data.items():
+        if name not in NEUTRAL:
+            kept[name] = value
+        elif not _is_neutral(value, NEUTRAL[name][0]):
+            raise ApiError(400, f"'{name}' is not supported: {NEUTRAL[name][1]}", param=name)
+    return kept
+
+
+def _is_neutral(value: Any, neutral: tuple[Any, ...]) -> bool:
+    """None, or equal to a neutral value of the same kind (true is not 1 here)."""
+    same = lambda a, b: a == b and isinstance(a, bool) == isinstance(b, bool)
+    return value is None or any(same(value, n) for n in neutral)
+
+
+def _first_problem(error: ValidationError) -> ApiError:
+    """One ApiError for pydantic's first error: which field, and what is wrong with it."""
+    problem = error.errors()[0]
+    where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in problem["loc"])
+    where = where.lstrip(".")
+    if problem["type"] == "extra_forbidden":
+        message = f"'{where}' is not a field this server supports"
+    elif problem["type"] == "missing":
+        message = f"'{where}' is required"
+    else:
+        detail = problem["msg"].removeprefix("Value error, ")
+        message = f"invalid '{where}': {detail[:1].lower()}{detail[1:]}"
+    return ApiError(400, message, param=where or None)
+
+
+@dataclass
+class Reply:
+    """The JSON a request gets back: one response, or the chunks of a stream.
+
+    kind "chat" writes chat.completion objects (a `message`, or a `delta` per chunk with the
+    role first); kind "text" writes text_completion objects (`text`).
+    """
+
+    kind: Literal["chat", "text"]
+    model: str
+    include_usage: bool = False
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
+        self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
+
+    def response(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+        """The whole answer of a request that did not stream."""
+        if self.kind == "chat":
+            choice = {"message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"text": text}
+        choice.update(index=0, finish_reason=finish_reason, logprobs=None)
+        return self._envelope("", [choice], usage=usage)
+
+    def chunk(self, text: str = "", finish_reason: str | None = None, first: bool = False):
+        """One stream chunk: new text, or the finish reason (a chat chunk carries the role
+        once, in the first chunk, and an empty delta with the finish reason)."""
+        if self.kind == "chat":
+            delta = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"delta": delta}
+        else:
+            choice = {"text": text}
+        choice.update(index=0, finish_reason=finish_reason, logprobs=None)
+        extra = {"usage": None} if self.include_usage else {}
+        return self._envelope(".chunk", [choice], **extra)
+
+    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+        """The last chunk of a stream with include_usage: no choices, the token counts."""
+        return self._envelope(".chunk", [], usage=usage)
+
+    def _envelope(self, suffix: str, choices: list, **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion" + suffix if self.kind == "chat" else "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+            **extra,
+        }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def sse(payload: dict[str, Any] | str) -> str:
+    """One server-sent event: `data: <json>` and a blank line ("[DONE]" goes as is)."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n"
