@@ -206,8 +206,8 @@ class Engine:
         text = self.visible_text(request)[stream.chars_sent :]
         cut, stopped = stop_cut(text, stream.params.stop)
         if stopped:
-            self.scheduler.remove(request)  # it may be running still
-            self.scheduler.report("finish", request)
+            if self.scheduler.remove(request):  # still running: it ends here
+                self.scheduler.report("finish", request)
             reason = "stop"
         elif request.is_done:
             cut, reason = len(text), self.finish_reason(request)

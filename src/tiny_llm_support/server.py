@@ -16,17 +16,13 @@ up gets its request aborted, so its slot and pages serve someone else.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import math
-import signal
-import socket
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from jinja2 import TemplateError
@@ -300,7 +296,8 @@ async def _error_response(request: Request, error: ApiError) -> Response:
 async def _http_error_response(request: Request, error: HTTPException) -> Response:
     """Starlette's own errors (no such route, wrong method) as OpenAI error objects."""
     message = f"{request.method} {request.url.path}: {error.detail}"
-    return await _error_response(request, ApiError(error.status_code, message))
+    error = ApiError(error.status_code, message, headers=error.headers)  # 405: its Allow header
+    return await _error_response(request, error)
 
 
 # engine.stats() key -> (metric, type, help)
@@ -318,92 +315,21 @@ METRICS = {
     "preemptions": ("tiny_llm_preemptions_total", "counter", "requests preempted for pages"),
     "requests_finished": ("tiny_llm_requests_finished_total", "counter", "requests finished"),
     "requests_aborted": ("tiny_llm_requests_aborted_total", "counter", "requests aborted"),
+    "refused_busy": (  # the server's own count, not the engine's
+        "tiny_llm_requests_refused_busy_total",
+        "counter",
+        "requests refused with 429 (--max-waiting)",
+    ),
 }
 
 
 def prometheus_text(stats: dict[str, Any], refused_busy: int) -> str:
     """Prometheus' text exposition format: # HELP, # TYPE, then `name value`. A stat that is
     None (pages_free of an unbounded pool) is left out; a stat not in METRICS is a gauge."""
-    rows = {**stats, "refused_busy": refused_busy}
-    known = {
-        **METRICS,
-        "refused_busy": (
-            "tiny_llm_requests_refused_busy_total",
-            "counter",
-            "requests refused with 429 (--max-waiting)",
-        ),
-    }
     lines = []
-    for key, value in rows.items():
+    for key, value in {**stats, "refused_busy": refused_busy}.items():
         if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
             continue
-        name, kind, help_text = known.get(key, (f"tiny_llm_{key}", "gauge", f"engine {key}"))
+        name, kind, help_text = METRICS.get(key, (f"tiny_llm_{key}", "gauge", f"engine {key}"))
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return "\n".join(lines) + "\n"
-
-
-# --- running it -------------------------------------------------------------------------------
-
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-
-class StoppableServer(uvicorn.Server):
-    """uvicorn's server, with SIGINT and SIGTERM handled here.
-
-    The first signal calls `on_stop` (which fails the requests in flight, so that their
-    streams end with an error chunk rather than hang) and lets uvicorn finish its connections;
-    a second one stops at once. Unlike uvicorn's own handler, the signal is not raised again
-    afterwards: `stop_signal` tells the caller which one came, and it chooses the exit status.
-    """
-
-    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
-        super().__init__(config)
-        self.on_stop = on_stop
-        self.stop_signal: int | None = None
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _on_signal(self, sig: int, frame: Any) -> None:
-        if self.should_exit:
-            self.force_exit = True
-            return
-        self.stop_signal = sig
-        self.should_exit = True
-        self.on_stop()
-
-    def stop(self) -> None:
-        """Stop from another thread (the engine's, when it fails): uvicorn checks this flag
-        ten times a second."""
-        self.should_exit = True
-
-
-def listen(host: str, port: int) -> socket.socket:
-    """A listening socket (port 0: any free port), made before the model loads so that a
-    port in use is reported at once. OSError when it cannot be had."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-        sock.listen(128)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-def serve(app: FastAPI, sock: socket.socket, service: EngineService) -> StoppableServer:
-    """Serve on `sock` until a signal, or until the engine fails; returns the stopped server
-    (its stop_signal says which signal, if any, stopped it)."""
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)
-    server = StoppableServer(config, on_stop=service.close)
-    service.on_failure = server.stop
-    server.run(sockets=[sock])
-    return server

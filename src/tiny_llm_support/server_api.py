@@ -291,5 +291,5 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 def sse(payload: dict[str, Any] | str) -> str:
     """One server-sent event: `data: <json>` and a blank line ("[DONE]" goes as is)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
     return f"data: {data}\n\n"

@@ -1,0 +1,186 @@
+"""An OpenAI-compatible server around the course's engine (Week 4 Day 3).
+
+    pdm run serve [--model tiny|qwen3-0.6b|PATH] [--port 8000] [--solution ref|tiny_llm] ...
+
+Then any OpenAI client talks to it, e.g. with the `openai` package:
+
+    from openai import OpenAI
+    client = OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")
+    client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}])
+
+One thread loads the model and steps the engine; the HTTP handlers only queue work for it
+(tiny_llm_support.server_engine). The endpoints and the wire format: tiny_llm_support.server and
+server_api. The scheduler flags are batch-main's (tiny_llm_support.batch_settings). Ctrl-C or
+SIGTERM stop it: requests in flight get an error, then it exits (130 after Ctrl-C, else 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
+from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_checkpoint
+from tiny_llm_support import batch_settings as settings
+from tiny_llm_support.server import OpenAIServer, ServerSettings
+from tiny_llm_support.server_engine import EngineService
+from tiny_llm_support.server_run import listen, serve
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed without a traceback, exit status 2."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    positive = cli.int_at_least(1)
+    p = argparse.ArgumentParser(
+        prog="serve",
+        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions).",
+        formatter_class=cli.DefaultsHelpFormatter,
+    )
+    p.add_argument("--model", default="tiny", help=cli.MODEL_HELP)
+    cli.add_solution_argument(p)
+    p.add_argument("--device", choices=cli.DEVICES, default="auto", help="auto: the GPU if any")
+    p.add_argument(
+        "--dtype",
+        choices=list(cli.DTYPES),
+        default=None,
+        help="weights and activations (default: float32 on cpu, bfloat16 on gpu)",
+    )
+    p.add_argument(
+        "--host", default="127.0.0.1", help="address to listen on (another one: set --api-key)"
+    )
+    p.add_argument("--port", type=cli.int_at_least(0), default=8000, help="0: any free port")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1/* (401; default: none)",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=cli.int_at_least(0),
+        default=None,
+        help="refuse (429, Retry-After) a request that would make more than this many wait for "
+        "a decode slot (default: no limit)",
+    )
+    p.add_argument("--batch-size", type=positive, default=5, help="decode slots")
+    p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
+    p.add_argument("--max-seq-len", type=positive, default=512, help="prompt + answer tokens")
+    p.add_argument(
+        "--cache-dir",
+        default=os.environ.get("TINY_LLM_CACHE"),
+        help="where the tiny-random checkpoint is made (default: $TINY_LLM_CACHE or "
+        "~/.cache/tiny-llm); downloaded models live in the Hugging Face cache ($HF_HOME)",
+    )
+    settings.add_arguments(p)
+    args = p.parse_args(argv)
+    if args.port > 65535:
+        p.error("--port is at most 65535")
+    problem = settings.check_arguments(args)
+    if problem:
+        p.error(problem)
+    return args
+
+
+def build_engine(args: argparse.Namespace, path, package) -> tuple:
+    """(engine, tokenizer, config): runs on the engine thread, which owns MLX from the first
+    array on, the model's weights included."""
+    device = choose_device(args.device)
+    dtype = args.dtype or cli.default_dtype(device)
+    ckpt = load_checkpoint(path, dtype=dtype)  # CheckpointError names the file and problem
+    if ckpt.tokenizer is None:
+        raise ValueError(f"{path} has no tokenizer.json")
+    problem = settings.check_model(args, ckpt.config)
+    if problem:
+        raise UsageError(problem)
+    model = settings.build_model(package, ckpt, args)
+    engine = package.Engine(
+        model,
+        ckpt.tokenizer,
+        max_seq_len=args.max_seq_len,
+        batch_size=args.batch_size,
+        prefill_step=args.prefill_step,
+        pools=settings.make_pools(model, args),
+        policy=args.policy,
+    )
+    print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
+    print(settings.describe(args))
+    for hint in cli.cpu_hints(device, dtype):
+        print(hint)
+    return engine, ckpt.tokenizer, ckpt.config
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        path = cli.model_path(args.model, args.cache_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    except ModelNotAvailableError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as e:
+        print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
+        return 1
+    package = cli.load_solution(args.solution)
+    loaded = {}  # what build() leaves for this thread besides the engine
+
+    def build():
+        engine, loaded["tokenizer"], loaded["config"] = build_engine(args, path, package)
+        return engine
+
+    service = EngineService(build, args.batch_size, args.max_waiting)
+    try:
+        service.start()
+    except NotImplementedError as e:
+        print(cli.unfinished_message(args.solution, e), file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    served = ServerSettings(
+        model_id=args.model,
+        max_seq_len=args.max_seq_len,
+        vocab_size=loaded["config"].vocab_size,
+        api_key=args.api_key,
+    )
+    app = OpenAIServer(service, loaded["tokenizer"], package.SamplingParams, served).app()
+    host, port = sock.getsockname()[:2]
+    print(f"serving '{args.model}' at http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
+    server = serve(app, sock, service)
+    service.close()
+    service.join(timeout=10)
+    return exit_status(server.stop_signal, service.error)
+
+
+def exit_status(stop_signal: int | None, error: BaseException | None) -> int:
+    """130 after Ctrl-C (as every command of the course), 0 after SIGTERM, 1 when the engine
+    failed."""
+    if error is not None:
+        return 1
+    if stop_signal == signal.SIGINT:
+        print("interrupted", file=sys.stderr, flush=True)
+        return startup.INTERRUPTED
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    cli.reexec_with_openblas()
+    sys.exit(startup.run(main))

@@ -1,0 +1,538 @@
+"""serve.py, the OpenAI-compatible server of Week 4 Day 3, as a client sees it.
+
+Not a day file: the server is support code, so these tests run the reference package
+(`--solution ref`) whatever --impl says. Each server configuration is started once, in a
+subprocess on a free port (127.0.0.1), and driven by the official `openai` client and by raw
+HTTP. The expected texts come from tiny_llm_ref.Engine in this process, on the same shipped tiny
+model and with the same settings, each prompt run alone and greedy.
+"""
+
+import concurrent.futures
+import http.client
+import json
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import openai
+import pytest
+from helpers import offline_env
+
+import tiny_llm_ref
+from tiny_llm_support import load_checkpoint, resolve_model
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "serve.py"
+MODEL = "tiny"
+MAX_SEQ_LEN = 256
+PAGE_SIZE, MAX_PAGES = 16, 64
+BATCH_SIZE = 4
+ENGINE_FLAGS = ["--max-seq-len", str(MAX_SEQ_LEN), "--batch-size", str(BATCH_SIZE)]
+PAGED_FLAGS = ["--page-size", str(PAGE_SIZE), "--max-pages", str(MAX_PAGES)]
+API_KEY = "test-key"
+QUESTIONS = [
+    "What is a KV cache?",
+    "Tell me a short story about a cat.",
+    "What is paged attention?",
+    "Why is the sky blue?",
+    "What does the scheduler do?",
+    "Explain continuous batching.",
+    "What is RoPE?",
+    "Who are you?",
+]
+SERVING = re.compile(r"serving '.*' at http://127\.0\.0\.1:(\d+)/v1")
+
+
+# --- the server in a subprocess ---------------------------------------------------------------
+
+
+class Server:
+    """serve.py on a port of its choosing (--port 0), its output in files under tmp."""
+
+    def __init__(self, tmp: Path, *flags: str) -> None:
+        self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(SCRIPT), "--model", MODEL, "--solution", "ref", "--port", "0"]
+                + list(flags),
+                cwd=ROOT,
+                env=offline_env(tmp),
+                stdout=out,
+                stderr=err,
+            )
+        self.port = self._wait_for_port(timeout=60)
+        self._wait_healthy(timeout=30)
+
+    def _wait_for_port(self, timeout: float) -> int:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = SERVING.search(self.out.read_text())
+            if found:
+                return int(found[1])
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError(f"the server did not start:\n{self.err.read_text()}")
+
+    def _wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if request(self.port, "GET", "/health")[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        self.stop()
+        raise AssertionError("the server never answered /health with 200")
+
+    def client(self, api_key: str = "unused") -> openai.OpenAI:
+        return openai.OpenAI(
+            base_url=f"http://127.0.0.1:{self.port}/v1", api_key=api_key, max_retries=0, timeout=60
+        )
+
+    def metrics(self) -> dict[str, float]:
+        status, _, body = request(self.port, "GET", "/metrics")
+        assert status == 200
+        rows = [line.split() for line in body.decode().splitlines() if not line.startswith("#")]
+        return {name: float(value) for name, value in rows}
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """The main server: a bounded paged pool, four decode slots, no key."""
+    s = Server(tmp_path_factory.mktemp("serve"), *ENGINE_FLAGS, *PAGED_FLAGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def strict_server(tmp_path_factory):
+    """One decode slot, nobody may wait (--max-waiting 0), and an API key."""
+    flags = ["--batch-size", "1", "--max-waiting", "0", "--api-key", API_KEY]
+    s = Server(tmp_path_factory.mktemp("serve-strict"), "--max-seq-len", str(MAX_SEQ_LEN), *flags)
+    yield s
+    s.stop()
+
+
+def request(port: int, method: str, path: str, body=None, headers=None, timeout: float = 60):
+    """(status, headers, body bytes) of one raw HTTP request; a dict body is sent as JSON."""
+    if isinstance(body, dict):
+        body = json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(
+            method, path, body=body, headers={"Content-Type": "application/json"} | (headers or {})
+        )
+        response = conn.getresponse()
+        return response.status, dict(response.getheaders()), response.read()
+    finally:
+        conn.close()
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {timeout} s: {what}")
+        time.sleep(0.05)
+
+
+# --- what the engine says, in this process ------------------------------------------------------
+
+
+class Reference:
+    """tiny_llm_ref.Engine on the tiny model with the main server's settings."""
+
+    def __init__(self) -> None:
+        self.ckpt = load_checkpoint(resolve_model(MODEL), dtype="float32")
+        self.tokenizer = self.ckpt.tokenizer
+        self.model = tiny_llm_ref.Qwen3Model(self.ckpt, max_seq_len=MAX_SEQ_LEN)
+        self.cache: dict = {}
+
+    def chat_ids(self, question: str) -> list[int]:
+        messages = [{"role": "user", "content": question}]
+        return self.tokenizer.encode(self.tokenizer.apply_chat_template(messages))
+
+    def run(self, ids: list[int], max_tokens: int, stop: tuple[str, ...] = ()) -> tuple:
+        """(text, finish_reason, prompt_tokens, completion_tokens) of one prompt alone."""
+        key = (tuple(ids), max_tokens, stop)
+        if key not in self.cache:
+            pools = self.model.create_kv_pools(PAGE_SIZE, MAX_PAGES, read_in_place=True)
+            engine = tiny_llm_ref.Engine(
+                self.model, self.tokenizer, MAX_SEQ_LEN, BATCH_SIZE, pools=pools
+            )
+            params = tiny_llm_ref.SamplingParams(max_tokens=max_tokens, stop=stop)
+            engine.add_request(ids, params)
+            text, last = "", None
+            while engine.has_work:
+                for output in engine.step():
+                    text, last = text + output.text, output
+            self.cache[key] = (text, last.finish_reason, last.prompt_tokens, last.completion_tokens)
+        return self.cache[key]
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return Reference()
+
+
+# --- answers equal the engine's ------------------------------------------------------------------
+
+
+def test_models_health_and_metrics(server):
+    assert [m.id for m in server.client().models.list()] == [MODEL]
+    assert server.client().models.retrieve(MODEL).id == MODEL
+    status, _, body = request(server.port, "GET", "/health")
+    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    status, headers, body = request(server.port, "GET", "/metrics")
+    assert status == 200 and headers["content-type"].startswith("text/plain")
+    text = body.decode()
+    for name in [
+        "tiny_llm_requests_running",
+        "tiny_llm_requests_waiting",
+        "tiny_llm_kv_pages_in_use",
+        "tiny_llm_kv_pages_free",
+        "tiny_llm_prompt_tokens_prefilled_total",
+        "tiny_llm_tokens_decoded_total",
+        "tiny_llm_preemptions_total",
+        "tiny_llm_requests_finished_total",
+        "tiny_llm_requests_aborted_total",
+    ]:
+        assert re.search(rf"^# TYPE {name} (gauge|counter)$", text, re.M), name
+        assert re.search(rf"^{name} \d+(\.\d+)?$", text, re.M), name
+    for method, path, status in [("GET", CHAT, 405), ("POST", "/v1/embeddings", 404)]:
+        got, _, raw = request(server.port, method, path)
+        assert got == status and path in json.loads(raw)["error"]["message"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_equals_engine(server, ref, stream):
+    question, max_tokens = QUESTIONS[0], 40
+    text, finish, prompt_n, completion_n = ref.run(ref.chat_ids(question), max_tokens)
+    client = server.client()
+    kwargs = dict(
+        model=MODEL,
+        messages=[{"role": "user", "content": question}],
+        temperature=0,
+        max_tokens=max_tokens,
+    )
+    if not stream:
+        r = client.chat.completions.create(**kwargs)
+        got, got_finish, got_usage = (
+            r.choices[0].message.content,
+            r.choices[0].finish_reason,
+            r.usage,
+        )
+        assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    else:
+        chunks = list(
+            client.chat.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        deltas = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+        got = "".join(deltas)
+        got_finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert chunks[-1].choices == [] and all(c.usage is None for c in chunks[:-1])
+        got_usage = chunks[-1].usage
+        assert {c.id for c in chunks} == {chunks[0].id}
+    assert got == text and got_finish == finish
+    assert (got_usage.prompt_tokens, got_usage.completion_tokens) == (prompt_n, completion_n)
+    assert got_usage.total_tokens == prompt_n + completion_n
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("as_ids", [False, True], ids=["text", "token-ids"])
+def test_completion_equals_engine(server, ref, stream, as_ids):
+    prompt = "The river keeper said"
+    ids = ref.tokenizer.encode(prompt)
+    text, finish, _, completion_n = ref.run(ids, 24)
+    kwargs = dict(model=MODEL, prompt=ids if as_ids else prompt, temperature=0, max_tokens=24)
+    if not stream:
+        r = server.client().completions.create(**kwargs)
+        assert r.object == "text_completion"
+        assert (r.choices[0].text, r.choices[0].finish_reason) == (text, finish)
+        assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(ids), completion_n)
+    else:
+        chunks = list(server.client().completions.create(**kwargs, stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == text
+        assert [c.choices[0].finish_reason for c in chunks][-1] == finish
+
+
+def test_stop_string_ends_the_answer(server, ref):
+    ids = ref.chat_ids(QUESTIONS[0])
+    full = ref.run(ids, 40)[0]
+    stop = full.split()[3]  # a word from the middle of the greedy answer
+    expected = ref.run(ids, 40, (stop,))
+    assert expected[:2] == (full[: full.index(stop)], "stop")
+    for stream in (False, True):
+        r = server.client().chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": QUESTIONS[0]}],
+            temperature=0,
+            max_tokens=40,
+            stop=[stop, "never appears"],
+            stream=stream,
+        )
+        if stream:
+            chunks = list(r)
+            text = "".join(c.choices[0].delta.content or "" for c in chunks)
+            finish = chunks[-1].choices[0].finish_reason
+        else:
+            text, finish = r.choices[0].message.content, r.choices[0].finish_reason
+        assert (text, finish) == expected[:2]
+
+
+def test_sixteen_concurrent_streams_each_equal_alone(server, ref):
+    questions = [f"{q} Answer briefly, please." for q in QUESTIONS] + QUESTIONS
+    max_tokens = [8 + 2 * i for i in range(len(questions))]
+    expected = [ref.run(ref.chat_ids(q), n)[0] for q, n in zip(questions, max_tokens)]
+    client = server.client()
+
+    def one_stream(i: int) -> str:
+        chunks = client.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": questions[i]}],
+            temperature=0,
+            max_tokens=max_tokens[i],
+            stream=True,
+        )
+        return "".join(c.choices[0].delta.content or "" for c in chunks)
+
+    with concurrent.futures.ThreadPoolExecutor(len(questions)) as pool:
+        got = list(pool.map(one_stream, range(len(questions))))
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"stream {i} ({questions[i]!r}) differs from the prompt run alone"
+
+
+# --- clients that leave ----------------------------------------------------------------------------
+
+
+def raw_post(port: int, path: str, body: dict) -> socket.socket:
+    """A request written by hand on a socket that the test can close at any moment."""
+    data = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(data)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + data)
+    return sock
+
+
+LONG = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 200, "ignore_eos": True}
+
+
+def assert_pool_freed_by_abort(server, aborted_before: float) -> None:
+    def freed() -> bool:
+        m = server.metrics()
+        return (
+            m["tiny_llm_requests_aborted_total"] > aborted_before
+            and m["tiny_llm_requests_running"] == 0
+            and m["tiny_llm_kv_pages_in_use"] == 0
+        )
+
+    wait_until(freed, 5, "the request aborted, running 0 and every page free")
+    assert server.metrics()["tiny_llm_kv_pages_free"] == MAX_PAGES
+
+
+def test_hang_up_mid_stream_aborts_the_request(server):
+    aborted = server.metrics()["tiny_llm_requests_aborted_total"]
+    sock = raw_post(server.port, "/v1/completions", {**LONG, "stream": True, "temperature": 0})
+    received = b""
+    while b"data: {" not in received:
+        received += sock.recv(4096)
+    assert received.startswith(b"HTTP/1.1 200")
+    sock.close()  # after the first chunk of about 200
+    assert_pool_freed_by_abort(server, aborted)
+
+
+def test_hang_up_before_a_whole_answer_aborts_the_request(server):
+    aborted = server.metrics()["tiny_llm_requests_aborted_total"]
+    sock = raw_post(server.port, "/v1/completions", {**LONG, "temperature": 0})
+    wait_until(lambda: server.metrics()["tiny_llm_requests_running"] == 1, 10, "it runs")
+    sock.close()
+    assert_pool_freed_by_abort(server, aborted)
+
+
+# --- bad input ------------------------------------------------------------------------------------
+
+CHAT, TEXT = "/v1/chat/completions", "/v1/completions"
+HI = [{"role": "user", "content": "Hi"}]
+BAD = [
+    # (endpoint, body, status, words the message must hold)
+    (CHAT, {"model": "gpt-4o", "messages": HI}, 404, ["model", "gpt-4o", MODEL]),
+    (TEXT, {"model": "gpt-4o", "prompt": "Hi"}, 404, ["model", "gpt-4o"]),
+    (CHAT, {"messages": HI}, 400, ["model", "required"]),
+    (CHAT, {"model": MODEL, "messages": HI, "n": 2}, 400, ["n", "one choice"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "best_of": 3}, 400, ["best_of"]),
+    (TEXT, {"model": MODEL, "prompt": list(range(MAX_SEQ_LEN + 1))}, 400, ["prompt", "context"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a " * 400}]}, 400,
+     ["messages", "context", str(MAX_SEQ_LEN)]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "max_tokens": 0}, 400, ["max_tokens"]),
+    (CHAT, {"model": MODEL, "messages": HI, "max_completion_tokens": 0}, 400,
+     ["max_completion_tokens"]),
+    (CHAT, {"model": MODEL, "messages": HI, "temperature": -0.5}, 400, ["temperature"]),
+    (CHAT, {"model": MODEL, "messages": HI, "temperature": "hot"}, 400, ["temperature"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "top_p": 0}, 400, ["top_p"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "top_p": 1.5}, 400, ["top_p"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "seed": -1}, 400, ["seed"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "stop": [""]}, 400, ["stop", "empty"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "stop": 7}, 400, ["stop"]),
+    (CHAT, {"model": MODEL, "messages": HI, "logprobs": True}, 400, ["logprobs", "not supported"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "logprobs": 2}, 400, ["logprobs", "not supported"]),
+    (CHAT, {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]}, 400, ["tools"]),
+    (CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "json_object"}}, 400,
+     ["response_format"]),
+    (CHAT, {"model": MODEL, "messages": HI, "presence_penalty": 0.5}, 400, ["presence_penalty"]),
+    (CHAT, {"model": MODEL, "messages": HI, "frobnicate": 1}, 400, ["frobnicate"]),
+    (CHAT, {"model": MODEL, "messages": []}, 400, ["messages"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     400, ["messages[0].content", "text"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
+     ["messages[0].role"]),
+    (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400,
+     ["stream_options", "stream"]),
+    (TEXT, {"model": MODEL, "prompt": ["one", "two"]}, 400, ["prompt", "one prompt"]),
+    (TEXT, {"model": MODEL, "prompt": [5, 99999]}, 400, ["prompt", "99999", "vocabulary"]),
+    (TEXT, {"model": MODEL, "prompt": ""}, 400, ["prompt", "empty"]),
+    (TEXT, b'{"model": "tiny", "prompt": "Hi"', 400, ["JSON"]),
+    (TEXT, b"[1, 2]", 400, ["JSON object"]),
+    (TEXT, b'{"model": "tiny", "prompt": "' + b"x" * (1 << 20) + b'"}', 413, ["limit"]),
+]  # fmt: skip
+
+
+def bad_id(case) -> str:
+    path, body, status, words = case
+    return f"{path.rsplit('/', 1)[-1]}-{status}-{words[0]}"
+
+
+@pytest.mark.parametrize("case", BAD, ids=[bad_id(c) for c in BAD])
+def test_bad_input_gets_an_openai_error(server, case):
+    path, body, status, words = case
+    got_status, _, raw = request(server.port, "POST", path, body)
+    assert got_status == status, raw[:300]
+    error = json.loads(raw)["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["type"] and isinstance(error["message"], str)
+    for word in words:
+        assert word in error["message"], f"{word!r} not in {error['message']!r}"
+
+
+def test_refused_requests_cost_the_engine_nothing(server):
+    counters = [
+        "tiny_llm_prompt_tokens_prefilled_total",
+        "tiny_llm_requests_finished_total",
+        "tiny_llm_requests_aborted_total",
+        "tiny_llm_requests_waiting",
+        "tiny_llm_kv_pages_in_use",
+    ]
+    before = {k: server.metrics()[k] for k in counters}
+    for path, body, status, _ in BAD:
+        assert request(server.port, "POST", path, body)[0] == status
+    assert {k: server.metrics()[k] for k in counters} == before
+
+
+def test_openai_client_errors_and_neutral_fields(server):
+    client = server.client()
+    with pytest.raises(openai.BadRequestError, match="logprobs"):
+        client.chat.completions.create(model=MODEL, messages=HI, logprobs=True)
+    with pytest.raises(openai.NotFoundError, match="gpt-4o"):
+        client.chat.completions.create(model="gpt-4o", messages=HI)
+    # what some clients always send, with the values that change nothing, is accepted
+    r = client.chat.completions.create(
+        model=MODEL,
+        messages=HI,
+        max_tokens=2,
+        n=1,
+        logprobs=False,
+        presence_penalty=0,
+        frequency_penalty=0,
+        tools=[],
+        response_format={"type": "text"},
+        user="someone",
+    )
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+# --- admission and keys -------------------------------------------------------------------------
+
+
+def test_429_past_max_waiting(strict_server):
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {**LONG, "max_tokens": 120}
+
+    def post(_):
+        return request(strict_server.port, "POST", TEXT, body, headers)
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(post, range(4)))
+    statuses = sorted(status for status, _, _ in results)
+    assert statuses.count(200) >= 1 and statuses.count(429) >= 1, statuses
+    for status, got_headers, raw in results:
+        if status == 429:
+            assert int(got_headers["retry-after"]) >= 1
+            error = json.loads(raw)["error"]
+            assert "--max-waiting" in error["message"] and error["code"] == "rate_limit_exceeded"
+    assert strict_server.metrics()["tiny_llm_requests_refused_busy_total"] >= 1
+
+
+def test_api_key(strict_server):
+    port = strict_server.port
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
+        status, _, raw = request(port, "POST", TEXT, {"model": MODEL, "prompt": "Hi"}, headers)
+        assert status == 401
+        assert json.loads(raw)["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        strict_server.client("wrong").models.list()
+    assert [m.id for m in strict_server.client(API_KEY).models.list()] == [MODEL]
+    r = strict_server.client(API_KEY).completions.create(model=MODEL, prompt="Hi", max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+    assert request(port, "GET", "/health")[0] == 200  # /health and /metrics need no key
+
+
+def test_sigterm_stops_cleanly(strict_server):
+    assert strict_server.stop(signal.SIGTERM) == 0
+    assert "Traceback" not in strict_server.err.read_text()
+
+
+# --- Ctrl-C --------------------------------------------------------------------------------------
+
+
+def test_ctrl_c_ends_open_streams_with_an_error(tmp_path):
+    s = Server(tmp_path, "--max-seq-len", str(MAX_SEQ_LEN))
+    try:
+        sock = raw_post(s.port, TEXT, {**LONG, "stream": True})
+        received = b""
+        while b"data: {" not in received:
+            received += sock.recv(4096)
+        s.proc.send_signal(signal.SIGINT)
+        sock.settimeout(30)
+        while chunk := sock.recv(4096):
+            received += chunk
+        sock.close()
+        events = [json.loads(e) for e in re.findall(r"^data: (\{.*\})$", received.decode(), re.M)]
+        assert "error" in events[-1], events[-1]
+        assert "shutting down" in events[-1]["error"]["message"]
+        assert s.proc.wait(timeout=30) == 130
+    finally:
+        s.stop(signal.SIGKILL)
+    err = s.err.read_text()
+    assert "Traceback" not in err and err.rstrip().endswith("interrupted")
