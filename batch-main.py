@@ -31,10 +31,6 @@ from tiny_llm_support.demo_prompts import DEMO_PROMPTS, MIN_ANSWER_TOKENS, prepa
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed without a traceback, exit status 2."""
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positive = cli.int_at_least(1)
     p = cli.script_parser("batch-main", "Continuous batching with chunked prefill, drawn live.")
@@ -88,12 +84,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         device = choose_device(args.device)
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise cli.UsageError(str(e)) from e
     dtype = args.dtype or cli.default_dtype(device)
     try:
         path = cli.model_path(args.model, args.cache_dir)
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise cli.UsageError(str(e)) from e
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -110,13 +106,13 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = ckpt.tokenizer
     problem = settings.check_model(args, ckpt.config)
     if problem:
-        raise UsageError(problem)
+        raise cli.UsageError(problem)
     try:
         chosen = prepare_prompts(
             tokenizer, args.seed, args.num_prompts, args.max_seq_len, args.enable_thinking
         )
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise cli.UsageError(str(e)) from e
     package = cli.load_solution(args.solution)
 
     c = ckpt.config
@@ -199,12 +195,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

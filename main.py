@@ -23,13 +23,8 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
-from tiny_llm_support import (
-    CheckpointError,
-    ModelNotAvailableError,
-    choose_device,
-    cli,
-    load_checkpoint,
-)
+from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_checkpoint
+from tiny_llm_support.checkpoint_files import CheckpointError
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
 

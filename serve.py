@@ -34,10 +34,6 @@ from tiny_llm_support.server_engine import EngineService
 from tiny_llm_support.server_run import listen, serve
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed without a traceback, exit status 2."""
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positive = cli.int_at_least(1)
     p = argparse.ArgumentParser(
@@ -99,7 +95,7 @@ def build_engine(args: argparse.Namespace, path, package) -> tuple:
         raise ValueError(f"{path} has no tokenizer.json")
     problem = settings.check_model(args, ckpt.config)
     if problem:
-        raise UsageError(problem)
+        raise cli.UsageError(problem)
     model = settings.build_model(package, ckpt, args)
     engine = package.Engine(
         model,
@@ -121,7 +117,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         path = cli.model_path(args.model, args.cache_dir)
     except ValueError as e:
-        raise UsageError(str(e)) from e
+        raise cli.UsageError(str(e)) from e
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -173,12 +169,7 @@ def exit_status(stop_signal: int | None, error: BaseException | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    try:
-        return run(args)
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    return cli.run_main(parse_args, run, argv)
 
 
 if __name__ == "__main__":

@@ -234,10 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="Qwen3Model(compiled=True): compiled token-parallel halves, padded passes (Week 3 Day 3)",
     )
     t.add_argument(
-        "--page-size",
-        type=int_at_least(0),
-        default=0,
-        help="0: dense caches; N: paged pools of N-token pages",
+        "--page-size", type=int_at_least(0), default=0, help="0: dense caches; N: N-token pages"
     )
     t.add_argument(
         "--pool-fractions",
@@ -255,16 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     r = p.add_argument_group("runs and output")
     r.add_argument(
-        "--warmup",
-        type=int_at_least(0),
-        default=1,
-        help="warm-up runs of a short trace in each process before the measured one",
+        "--warmup", type=int_at_least(0), default=1, help="warm-up runs per process, unmeasured"
     )
     r.add_argument(
-        "--repeats",
-        type=int_at_least(1),
-        default=2,
-        help="processes per budget; odd repeats run the budgets in reverse order",
+        "--repeats", type=int_at_least(1), default=2, help="processes per budget; odd ones reversed"
     )
     r.add_argument(
         "--cooldown-seconds", type=float_at_least(0), default=0.0, help="pause between runs"

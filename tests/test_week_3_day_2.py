@@ -2,7 +2,8 @@
 
 Task 1  Request.try_prefill runs one slice of at most prefill_max_step prompt tokens per call.
 Task 2  causal_mask(L, S) is the rectangular mask with diagonal offset S - L; the model uses it
-        (through qwen3.attention_mask) when a chunk of L > 1 tokens lands on a non-empty cache.
+        (through qwen3.attention_mask) when a chunk of L > 1 tokens lands on a non-empty cache,
+        and scaled_dot_product_attention_grouped for mask="causal" with L < S.
 Task 3  materialize() hooks: the dense cache evaluates its own key/value arrays, the paged cache
         evaluates its pages where they lie, the batching cache delegates.
 
@@ -150,6 +151,18 @@ def test_causal_mask_rejects_impossible_shapes(impl, L, S):
     # L > S would put a query before the first key; L < 1 is no query at all.
     with pytest.raises(ValueError):
         impl.causal_mask(L, S, mx.float32)
+
+
+@pytest.mark.parametrize("h_q, h_kv, L, S", [(4, 2, 3, 8), (4, 4, 1, 5), (6, 2, 5, 6)])
+def test_causal_string_is_the_rectangle_for_fewer_queries_than_keys(impl, h_q, h_kv, L, S):
+    # mask="causal" with L < S: the L queries are the last L of the S keys (bottom-right),
+    # exactly as MLX's fused attention reads it.
+    kq, kk, kv = mx.random.split(mx.random.key(L * S), 3)
+    q = mx.random.normal((2, h_q, L, 16), key=kq)
+    k, v = (mx.random.normal((2, h_kv, S, 16), key=key) for key in (kk, kv))
+    got = impl.scaled_dot_product_attention_grouped(q, k, v, mask="causal")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=16**-0.5, mask="causal")
+    np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
 
 
 # --- Tasks 1 + 2: chunking is exact --------------------------------------------------------

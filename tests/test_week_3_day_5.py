@@ -529,13 +529,13 @@ def test_chunked_prefill_over_pages_in_place_equals_one_shot(
     assert all(pool.num_in_use == 0 for pool in pools)
 
 
-LENGTHS = (3, 9, 14, 22, 5, 30, 1)
 MAX_SEQ_LEN = 44
 
 
 @pytest.fixture(scope="module")
 def prompts(tokenizer):
-    return [prompt_with_tokens(tokenizer, n) for n in LENGTHS]
+    """Seven prompts of 1 to 30 tokens, more than the three slots of the runs below."""
+    return [prompt_with_tokens(tokenizer, n) for n in (3, 9, 14, 22, 5, 30, 1)]
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,10 @@ computes everything it needs (every rank must run the same collective operations
 same order) and only then compares, so a failed comparison on one rank cannot leave the other
 waiting in an all_sum. The oracle everywhere is the same package's unsharded model on the
 same weights, and in check_mlx_lm mlx-lm's own shard().
+
+A rank that dies (an exception outside a check) writes why into its JSON and exits non-zero,
+and mlx.launch then stops the other ranks instead of leaving them in an all_sum that would
+never return. `--die-on-rank R` makes rank R die on purpose, for the test of exactly that.
 """
 
 import argparse
@@ -16,6 +20,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -29,6 +34,7 @@ ATOL = RTOL = 1e-4
 PROMPT_LENGTHS = (3, 9, 14, 22, 1)  # token counts of the batch_generate prompts
 MAX_SEQ_LEN = 32
 MAX_NEW_TOKENS = 6
+DIE_AFTER_S = 1.0  # --die-on-rank: how long the rank waits before it raises
 
 
 def close(actual, expected, what: str) -> None:
@@ -291,32 +297,70 @@ def error_text(e: Exception) -> str:
     return f"{last}\n{traceback.format_exc(limit=-4)}"
 
 
+class Report:
+    """This rank's JSON file, rewritten after every step: the group size, each check's result
+    (null when it passed, else the error text), the check running now, and why the rank died
+    if it did (so that the test names the rank that stopped the run)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.fields: dict = {}
+
+    def write(self, **fields) -> None:
+        self.fields.update(fields)
+        self.path.write_text(json.dumps(self.fields))
+
+
+def run_checks(args: argparse.Namespace, group, report: Report) -> None:
+    """Every check in order, each one's result in the report. A check that fails records its
+    error and the next one runs (a failure to compare comes after every collective)."""
+    try:
+        ranks, setup_error = Ranks(args, group), None
+    except Exception as e:  # no model can be built yet (an earlier stub): every check fails
+        ranks, setup_error = None, error_text(e)
+    found: dict[str, str | None] = {}
+    for check in CHECKS:
+        report.write(running=check.__name__)
+        if args.die_on_rank == group.rank():
+            time.sleep(DIE_AFTER_S)  # the other ranks are waiting in the check's first all_sum
+            raise RuntimeError(f"told to die before {check.__name__} (--die-on-rank)")
+        found[check.__name__] = setup_error or run_check(check, ranks)
+        report.write(checks=found)
+    report.write(running=None)
+
+
+def run_check(check, ranks: Ranks) -> str | None:
+    """None when the check passed, else its error text."""
+    try:
+        check(ranks)
+    except Exception as e:
+        return error_text(e)
+    return None
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     for name in ("--impl", "--out", "--ckpt", "--ckpt-kv1", "--ckpt-odd-mlp"):
         p.add_argument(name, required=True)
+    p.add_argument(
+        "--die-on-rank", type=int, help="for the tests of this harness: that rank raises"
+    )
     args = p.parse_args()
-    out = Path(args.out) / f"rank{os.environ.get('MLX_RANK', 'unknown')}.json"
-    found: dict[str, str | None] = {}
+    report = Report(Path(args.out) / f"rank{os.environ.get('MLX_RANK', 'unknown')}.json")
     try:
         group = mx.distributed.init(strict=True, backend="ring")
     except RuntimeError as e:  # the ring backend cannot start here
-        out.write_text(json.dumps({"init_error": str(e)}))
+        report.write(init_error=str(e))
         return 0
     mx.set_default_device(mx.cpu)
+    report.write(size=group.size(), checks={})
     try:
-        ranks = Ranks(args, group)
-    except Exception as e:  # no model can be built yet (an earlier stub): every check fails
-        found = {check.__name__: error_text(e) for check in CHECKS}
-        out.write_text(json.dumps({"size": group.size(), "checks": found}))
-        return 0
-    for check in CHECKS:
-        try:
-            check(ranks)
-            found[check.__name__] = None
-        except Exception as e:
-            found[check.__name__] = error_text(e)
-        out.write_text(json.dumps({"size": group.size(), "checks": found}))
+        run_checks(args, group, report)
+    except BaseException as e:
+        # This rank stops here. A non-zero exit makes mlx.launch stop the other ranks, which
+        # could otherwise wait forever in a collective that this rank never joins.
+        report.write(died=error_text(e))
+        raise
     return 0
 
 

@@ -64,8 +64,16 @@ def scaled_dot_product_attention_grouped(
     """Grouped-query attention without copying K/V.
 
     query [..., H_q, L, D]; key/value [..., H, S, D] with H_q a multiple of H.
-    mask: None, "causal" (square, L == S) or an additive array broadcastable to [..., H_q, L, S].
+    mask: None, an additive array broadcastable to [..., H_q, L, S], or "causal". "causal" puts
+    the L queries at the last L positions of the S keys (bottom-right, as
+    mx.fast.scaled_dot_product_attention does), so query i sees keys 0 ..= S - L + i; it needs
+    L <= S. Week 1 Day 3 builds the square one, Week 3 Day 2 the rectangles (L < S).
     """
+    l_q, s = query.shape[-2], key.shape[-2]
+    if isinstance(mask, str) and mask == "causal" and l_q < s:
+        raise NotImplementedError(
+            "Week 3 Day 2, Task 2: accept the causal mask string for fewer queries than keys"
+        )
     raise NotImplementedError(
         "Week 1 Day 3, Task 1: implement grouped-query attention with a square causal mask"
     )

@@ -33,7 +33,14 @@ from .quantize import (
     quantize,
 )
 from .quantized_kv_cache import TinyKvQuantizedCache, TinyKvQuantizedPagedPool
-from .qwen3 import Qwen3AttentionWithCache, Qwen3BlockWithCache, Qwen3Model, attention_mask
+from .qwen3 import (
+    Qwen3AttentionWithCache,
+    Qwen3BlockWithCache,
+    Qwen3Model,
+    TensorParallelAttention,
+    attention_mask,
+    shard_blocks,
+)
 from .qwen3_week1 import (
     Qwen3ModelWeek1,
     Qwen3MultiHeadAttention,
@@ -43,14 +50,7 @@ from .qwen3_week1 import (
 from .sampler import SamplingParams, keep_top_p, make_sampler, pick_tokens, sample_rows
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 from .stall_free import Segment, forward_ragged, hybrid_step
-from .tensor_parallel import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    TensorParallelAttention,
-    TensorParallelMLP,
-    rank_slice,
-    shard_blocks,
-)
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 __all__ = [
     "sample_rows",

@@ -85,8 +85,16 @@ def scaled_dot_product_attention_grouped(
     """Grouped-query attention without copying K/V.
 
     query [..., H_q, L, D]; key/value [..., H, S, D] with H_q a multiple of H.
-    mask: None, "causal" (square, L == S) or an additive array broadcastable to [..., H_q, L, S].
+    mask: None, an additive array broadcastable to [..., H_q, L, S], or "causal". "causal" puts
+    the L queries at the last L positions of the S keys (bottom-right, as
+    mx.fast.scaled_dot_product_attention does), so query i sees keys 0 ..= S - L + i; it needs
+    L <= S. Week 1 Day 3 builds the square one, Week 3 Day 2 the rectangles (L < S).
     """
+    l_q, s = query.shape[-2], key.shape[-2]
+    if isinstance(mask, str) and mask == "causal" and l_q < s:
+        # BEGIN TASK Week 3 Day 2, Task 2: accept the causal mask string for fewer queries than keys
+        mask = causal_mask(l_q, s, query.dtype)  # [L, S], diagonal offset S - L
+        # END TASK
     # BEGIN TASK Week 1 Day 3, Task 1: implement grouped-query attention with a square causal mask
     *batch, h_q, l_q, d = query.shape
     h, s = key.shape[-3], key.shape[-2]
@@ -103,8 +111,11 @@ def scaled_dot_product_attention_grouped(
     if isinstance(mask, str):
         if mask != "causal":
             raise ValueError(f"unknown mask {mask!r}: use 'causal', None or an array")
-        if l_q != s:
-            raise ValueError(f"the 'causal' mask is square, got L={l_q} and S={s}")
+        if l_q > s:  # a query before the first key would see nothing
+            raise ValueError(
+                f"the 'causal' mask needs no more queries than keys (L <= S), got L={l_q} and S={s}"
+            )
+        # square here: a rectangle (L < S) became an array above (Week 3 Day 2)
         blocked = mx.triu(mx.ones((l_q, s), dtype=mx.bool_), k=1)  # [L, S]
         scores = mx.where(blocked, mx.array(-mx.inf, dtype=scores.dtype), scores)
     elif mask is not None:

@@ -22,6 +22,14 @@ def grown(pages: mx.array, capacity: int) -> mx.array:
     return out
 
 
+def in_page_order(array: mx.array, pages: list[int], length: int) -> mx.array:
+    """One storage array [capacity, H_kv, P, X] -> the first `length` token slots of `pages`,
+    side by side in page-table order: [H_kv, length, X]. Every pool reads its pages with it."""
+    # BEGIN TASK Week 2 Day 2, Task 2: read pages back in page-table order
+    return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]
+    # END TASK
+
+
 class TinyKvPagedPool:
     """Pages of one layer, in one array each for keys and values.
 
@@ -139,11 +147,8 @@ class TinyKvPagedPool:
     def gather(self, pages: list[int], length: int) -> tuple[mx.array, mx.array]:
         """The first `length` tokens stored in `pages`, as dense [H_kv, length, D] arrays (a
         copy: the Week 2 way to read pages, which Week 3 Day 5 replaces with paged_attention)."""
-        # BEGIN TASK Week 2 Day 2, Task 2: read pages back in page-table order
-        keys = mx.concatenate([self.key_pages[p] for p in pages], axis=1)[:, :length, :]
-        values = mx.concatenate([self.value_pages[p] for p in pages], axis=1)[:, :length, :]
-        return keys, values
-        # END TASK
+        keys = in_page_order(self.key_pages, pages, length)  # [H_kv, length, D]
+        return keys, in_page_order(self.value_pages, pages, length)
 
 
 class TinyKvPagedCache(TinyKvCache):

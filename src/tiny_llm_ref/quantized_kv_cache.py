@@ -18,7 +18,7 @@ import mlx.core as mx
 from tiny_llm_support import check_quant_format
 
 from .kv_cache import TinyKvCache, TinyKvFullCache, check_rewind
-from .paged_kv_cache import TinyKvPagedPool, grown
+from .paged_kv_cache import TinyKvPagedPool, grown, in_page_order
 from .quantize import dequantize, quantize
 
 
@@ -92,20 +92,19 @@ class TinyKvQuantizedPagedPool(TinyKvPagedPool):
     """
 
     def __init__(
-        self,
-        num_kv_heads: int,
-        head_dim: int,
-        page_size: int = 16,
-        max_pages: int | None = None,
-        dtype: mx.Dtype = mx.float32,
-        group_size: int = 64,
-        bits: int = 8,
+        self, num_kv_heads: int, head_dim: int, *args, group_size: int = 64, bits: int = 8, **kwargs
     ):
+        """args, kwargs: the float pool's page_size, max_pages and dtype (positional or not)."""
         check_quant_format(group_size, bits, "TinyKvQuantizedPagedPool")
         if head_dim % group_size != 0:
             raise ValueError(f"head_dim {head_dim} is not a multiple of group_size {group_size}")
-        super().__init__(num_kv_heads, head_dim, page_size, max_pages, dtype)
+        super().__init__(num_kv_heads, head_dim, *args, **kwargs)
+        if self.read_in_place:
+            raise ValueError(
+                "quantized pages are read through gather: read_in_place needs float pages"
+            )
         self.group_size, self.bits = group_size, bits
+        page_size, dtype = self.page_size, self.dtype  # as the float pool took them
         codes = (0, num_kv_heads, page_size, head_dim * bits // 32)
         groups = (0, num_kv_heads, page_size, head_dim // group_size)
         self.key_pages = mx.zeros(codes, dtype=mx.uint32)
@@ -159,9 +158,3 @@ class TinyKvQuantizedPagedPool(TinyKvPagedPool):
         )
         return keys, values
         # END TASK
-
-
-def in_page_order(array: mx.array, pages: list[int], length: int) -> mx.array:
-    """array [capacity, H_kv, P, X] -> the first `length` token slots of `pages`, in page-table
-    order: [H_kv, length, X]."""
-    return mx.concatenate([array[p] for p in pages], axis=1)[:, :length, :]

@@ -2,12 +2,14 @@
 
 Week 3 uses the same model: offsets may be one int per row (continuous batching), a prompt
 may arrive in chunks (chunked prefill), so a call with L > 1 may find tokens cached, and the
-blocks' token-parallel halves may run compiled (shape-stable prefill).
+blocks' token-parallel halves may run compiled (shape-stable prefill). Week 4 Day 2 shards it
+over the ranks of a group: TensorParallelAttention and shard_blocks cut its blocks with the
+parallel layers of tensor_parallel.py, which know nothing of this model.
 """
 
 import mlx.core as mx
 
-from tiny_llm_support import Checkpoint, check_quant_format
+from tiny_llm_support import Checkpoint, Qwen3Config, check_quant_format
 
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
@@ -17,6 +19,7 @@ from .quantize import QuantizedWeight
 from .quantized_kv_cache import TinyKvQuantizedCache, TinyKvQuantizedPagedPool
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
+from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 
 def attention_mask(L: int, S: int, dtype: mx.Dtype) -> mx.array | str | None:
@@ -86,6 +89,62 @@ class Qwen3BlockWithCache(Qwen3TransformerBlock):
         return h + self.mlp(self.post_attention_layernorm(h))  # [B, L, E]
 
 
+class TensorParallelAttention(Qwen3AttentionWithCache):
+    """This rank's heads of one attention layer (Week 4 Day 2, tensor parallelism).
+
+    The query heads and the KV heads they read are split in rank order (H / N query heads and
+    H_kv / N KV heads each, so every query head finds its KV head on the same rank), which
+    makes q/k/v column-parallel on head boundaries and o_proj row-parallel. __call__, qkv and
+    attend are the base class's, run over fewer heads (the cache only ever sees this rank's KV
+    heads); only project changes, to the row-parallel o_proj and its all_sum.
+    """
+
+    def __init__(self, attn: Qwen3AttentionWithCache, group: mx.distributed.Group):
+        self.q_norm, self.k_norm, self.rope = attn.q_norm, attn.k_norm, attn.rope
+        self.head_dim = attn.head_dim
+        # BEGIN TASK Week 4 Day 2, Task 2: keep this rank's query and KV heads
+        n = group.size()
+        rank_slice(attn.num_heads, group, "query heads")  # raises unless the heads divide by n
+        rank_slice(attn.num_kv_heads, group, "KV heads")
+        self.num_heads, self.num_kv_heads = attn.num_heads // n, attn.num_kv_heads // n
+        # the inherited qkv() reads self.wq, self.wk and self.wv: this rank's rows of each
+        self.wq = ColumnParallelLinear(attn.wq, group).weight  # [H / N * D, E]
+        self.wk = ColumnParallelLinear(attn.wk, group).weight  # [H_kv / N * D, E]
+        self.wv = ColumnParallelLinear(attn.wv, group).weight
+        self.o_proj = RowParallelLinear(attn.wo, group)  # [E, H / N * D]
+        # END TASK
+
+    def project(self, out: mx.array) -> mx.array:
+        """This rank's heads' outputs [B, H / N, L, D] -> [B, L, E], the row-parallel o_proj."""
+        # BEGIN TASK Week 4 Day 2, Task 2: the row-parallel output projection
+        b, _, l, _ = out.shape
+        return self.o_proj(out.swapaxes(1, 2).reshape(b, l, -1))
+        # END TASK
+
+
+def shard_blocks(
+    config: Qwen3Config, blocks: list[Qwen3BlockWithCache], group: mx.distributed.Group
+) -> list[Qwen3BlockWithCache]:
+    """This rank's share of every block: the same block class around a tensor-parallel
+    attention and MLP (norms replicated). Every size the group splits is checked first, so a
+    group that does not fit changes nothing."""
+    # BEGIN TASK Week 4 Day 2, Task 4: check every split, then shard every block
+    rank_slice(config.num_attention_heads, group, "num_attention_heads")
+    rank_slice(config.num_key_value_heads, group, "num_key_value_heads")
+    rank_slice(config.intermediate_size, group, "intermediate_size")
+    sharded = [
+        Qwen3BlockWithCache(
+            TensorParallelAttention(block.self_attn, group),
+            TensorParallelMLP(block.mlp, group),
+            block.input_layernorm,
+            block.post_attention_layernorm,
+        )
+        for block in blocks
+    ]
+    return sharded
+    # END TASK
+
+
 class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab].
 
@@ -128,8 +187,6 @@ class Qwen3Model(Qwen3ModelWeek1):
         Every rank of `group` calls this on the same model and then runs the same inputs;
         the embeddings, the norms and the output head stay whole on every rank.
         """
-        from .tensor_parallel import shard_blocks  # that module builds on this one's classes
-
         if self.group is not None:
             raise ValueError(f"the model is already sharded over {self.group.size()} ranks")
         blocks = [getattr(layer, "block", layer) for layer in self.layers]  # unwrap compiled
@@ -179,8 +236,8 @@ class Qwen3Model(Qwen3ModelWeek1):
                     page_size,
                     max_pages,
                     self.dtype,
-                    self.kv_group_size,
-                    self.kv_bits,
+                    group_size=self.kv_group_size,
+                    bits=self.kv_bits,
                 )
                 for _ in range(self.num_hidden_layers)
             ]

@@ -191,3 +191,17 @@ def _at_least(kind: type, low: float, what: str) -> Callable[[str], float]:
         return value
 
     return parse
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed without a traceback, exit status 2."""
+
+
+def run_main(parse_args: Callable, run: Callable, argv: list[str] | None) -> int:
+    """A script's main(): parse the arguments and run; a UsageError is one line, status 2."""
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
