@@ -334,17 +334,22 @@ def check_results(fuzz: Fuzz, ex: Example, out, log: EventLog) -> None:
 
 def check_budget(ex: Example, log: EventLog) -> None:
     """No pass holds more rows than the budget. Under hybrid the decode rows and the chunks of
-    a pass count together; under alternate a chunk is a pass of its own, within the budget,
-    and a decode pass holds at most one row per slot."""
-    rows = {}  # forward pass -> rows
+    a pass count together, and a budget smaller than the decode rows leaves no room for a
+    chunk (the decode rows still run: every decoding request gets its row in every pass);
+    under alternate a chunk is a pass of its own, within the budget, and a decode pass holds
+    at most one row per slot."""
+    decode, chunk = {}, {}  # forward pass -> rows
     for e in log.events:
         if e.kind == "decode":
             assert e.tokens <= ex.batch_size, f"pass {e.forward_pass}: {e.tokens} decode rows"
-        if e.kind == "prefill" or (e.kind == "decode" and ex.policy == "hybrid"):
-            rows[e.forward_pass] = rows.get(e.forward_pass, 0) + e.tokens
-    for n, total in rows.items():
+            decode[e.forward_pass] = decode.get(e.forward_pass, 0) + e.tokens
+        elif e.kind == "prefill":
+            chunk[e.forward_pass] = chunk.get(e.forward_pass, 0) + e.tokens
+    for n, rows in chunk.items():
+        total = rows + (decode.get(n, 0) if ex.policy == "hybrid" else 0)
         assert total <= ex.prefill_step, (
-            f"pass {n} holds {total} rows, more than the budget {ex.prefill_step}"
+            f"pass {n} holds {total} rows with its prompt chunks, more than the budget "
+            f"{ex.prefill_step}"
         )
 
 
@@ -448,9 +453,8 @@ def examples(
     prompts, max_new = [ids for ids, _ in trace], [n for _, n in trace]
     policy = draw(st.sampled_from(policies))
     batch_size = draw(st.integers(2 if pressure else 1, 4))
-    lowest = batch_size if policy == "hybrid" else 1  # hybrid: a row for every slot
-    small = st.integers(lowest, 12)  # many chunks per prompt, sharing passes with decode rows
-    prefill_step = draw(small if pressure else st.one_of(small, st.integers(lowest, MAX_BUDGET)))
+    small = st.integers(1, 12)  # many chunks per prompt, sharing passes with decode rows
+    prefill_step = draw(small if pressure else st.one_of(small, st.integers(1, MAX_BUDGET)))
     kv_bits = draw(st.sampled_from([None, 8]))
     kinds = [k for k in pools if not (kv_bits and k == "in-place")]  # INT8 pages are gathered
     pool = draw(st.sampled_from(kinds or ["paged"]))

@@ -394,7 +394,7 @@ def test_a_finished_request_left_in_its_slot_is_named(impl, model, tokenizer, pr
 def test_an_iteration_that_changes_nothing_is_an_error(
     impl, model, tokenizer, prompts, monkeypatch
 ):
-    module = importlib.import_module(f"{impl.__name__}.batch")
+    module = importlib.import_module(f"{impl.__name__}.scheduler")
     monkeypatch.setattr(module.Scheduler, "alternate_step", lambda self: None)
     pools = model.create_kv_pools(page_size=4)
     with pytest.raises(RuntimeError, match="made no progress"):

@@ -10,9 +10,9 @@ from .attention import (
     scaled_dot_product_attention_simple,
 )
 from .basics import linear, silu, softmax
-from .batch import BatchStep, Request, Scheduler, decode_step
+from .batch import batch_generate
 from .batching_kv_cache import BatchingKvCache
-from .engine import Engine, RequestOutput, RequestRefused, batch_generate, stop_cut
+from .engine import Engine, RequestOutput, RequestRefused, stop_cut
 from .flash_attention import (
     block_partial,
     flash_attention,
@@ -47,7 +47,9 @@ from .qwen3_week1 import (
     Qwen3TransformerBlock,
     take_weight,
 )
+from .request import Request
 from .sampler import SamplingParams, keep_top_p, make_sampler, pick_tokens, sample_rows
+from .scheduler import BatchStep, Scheduler, decode_step
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
 from .stall_free import Segment, forward_ragged, hybrid_step
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice

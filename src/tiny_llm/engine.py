@@ -9,7 +9,8 @@ runs the scheduler of Week 3 one iteration at a time:
     outputs = engine.step()                    # one iteration: what is new for each request
     engine.abort(rid)                          # from any state: slot and pages back at once
 
-batch_generate is a loop over it (add every prompt, step until idle), so there is one scheduler.
+batch_generate (batch.py) is a loop over it (add every prompt, step until idle), so there is one
+scheduler.
 """
 
 import math
@@ -18,11 +19,12 @@ from dataclasses import dataclass
 
 from tiny_llm_support import Tokenizer
 
-from .batch import BatchStep, Request, Scheduler, prompt_tokens
 from .memory_planning import free_pages, refusal
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
+from .request import Request, prompt_tokens
 from .sampler import SamplingParams
+from .scheduler import BatchStep, Scheduler
 from .shape_stable import Ladder, query_ladder
 from .stall_free import hybrid_step
 
@@ -294,63 +296,3 @@ def check_limits(max_seq_len: int, batch_size: int, prefill_step: int) -> None:
     ]:
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-
-
-def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> list[int | None]:
-    """One max_new_tokens per prompt, from None, one int for all, or a list with one each."""
-    budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * n
-    if len(budgets) != n:
-        raise ValueError(f"max_new_tokens has {len(budgets)} entries for {n} prompts")
-    for idx, budget in enumerate(budgets):
-        if budget is not None and budget < 1:
-            raise ValueError(f"max_new_tokens of prompt {idx} must be >= 1, got {budget}")
-    return budgets
-
-
-def batch_generate(
-    model: Qwen3Model,
-    tokenizer: Tokenizer,
-    prompts: list[str | list[int]],
-    max_seq_len: int = 512,
-    batch_size: int = 5,
-    prefill_step: int = 128,
-    pools: list[TinyKvPagedPool] | None = None,
-    on_step: Callable[[BatchStep], None] | None = None,
-    max_new_tokens: int | list[int | None] | None = None,
-    ignore_eos: bool = False,
-    query_padding: bool | Ladder | None = None,
-    policy: str = "alternate",
-) -> list[tuple[int, str]]:
-    """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
-
-    prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
-    is the token budget of a whole forward pass, decode rows included. Prompts are text or
-    token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
-    Request. Every prompt and limit is checked before any cache exists. A prompt that could
-    never fit the pool is refused (an on_step "refuse" event) and has no result.
-    """
-    results: dict[int, str] = {}
-
-    def record(step: BatchStep) -> None:
-        if step.kind == "finish":
-            results[step.request.prompt_idx] = step.request.text()
-        if on_step is not None:
-            on_step(step)
-
-    engine = Engine(
-        model, tokenizer, max_seq_len, batch_size, prefill_step, pools, policy, query_padding,
-        record,
-    )  # fmt: skip
-    budgets = output_budgets(max_new_tokens, len(prompts))
-    tokens = [engine.check_prompt(prompt, idx) for idx, prompt in enumerate(prompts)]
-    try:
-        for ids, budget in zip(tokens, budgets):
-            try:
-                engine.add_request(ids, SamplingParams(max_tokens=budget, ignore_eos=ignore_eos))
-            except RequestRefused:
-                pass  # reported to on_step; the other prompts run
-        while engine.has_work:
-            engine.step()
-    finally:
-        engine.release()
-    return sorted(results.items())
