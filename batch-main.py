@@ -7,8 +7,9 @@ package (no network); `tiny-random` has random weights. Shortcuts such as `qwen3
 fetched into the Hugging Face cache. On a terminal the slots and prefills are drawn live with
 rich; otherwise a line is printed per prefill chunk, per finished request and per `--log-every`
 decode steps. Then come the answers and the measurements. The scheduler settings of Week 3
-(--compile, --policy, --max-pages, --gather): tiny_llm_support.batch_settings; views:
-batch_views; measurements: batch_recorder; prompts: demo_prompts.
+(--compile, --policy, --max-pages, --gather) and the prefix cache of Week 4 Day 4
+(--prefix-cache, off unless asked for): tiny_llm_support.batch_settings; views: batch_views;
+measurements: batch_recorder; prompts: demo_prompts.
 """
 
 from __future__ import annotations
@@ -155,8 +156,11 @@ def run(args: argparse.Namespace) -> int:
             else views.PlainView(args.log_every)
         )
         rec = BatchRecorder()  # the requests arrive once the model is built
+        cached = [0]  # prompt tokens the admissions found in the prefix cache
 
         def on_step(step) -> None:
+            if step.kind == "admit":
+                cached[0] += step.tokens
             rec.on_step(step)
             with rec.paused():  # drawing is left out of every measurement
                 view.show(step, rec)
@@ -187,7 +191,7 @@ def run(args: argparse.Namespace) -> int:
         out, [p.label() for p in chosen.prompts], answers, console if live else None
     )
     views.print_summary(out, rec, console if live else None)
-    for line in settings.summary_lines(model, pools):
+    for line in settings.summary_lines(model, pools, cached[0]):
         out(line)
     if args.model == "tiny-random":
         out("(tiny-random: random weights, so the answers above are meaningless by design)")

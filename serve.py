@@ -10,8 +10,10 @@ Then any OpenAI client talks to it, e.g. with the `openai` package:
 
 One thread loads the model and steps the engine; the HTTP handlers only queue work for it
 (tiny_llm_support.server_engine). The endpoints and the wire format: tiny_llm_support.server and
-server_api. The scheduler flags are batch-main's (tiny_llm_support.batch_settings). Ctrl-C or
-SIGTERM stop it: requests in flight get an error, then it exits (130 after Ctrl-C, else 0).
+server_api. The scheduler flags are batch-main's (tiny_llm_support.batch_settings), except that
+the prefix cache (Week 4 Day 4) is on by default here whenever the pool is bounded (--max-pages);
+--no-prefix-cache turns it off. Ctrl-C or SIGTERM stop it: requests in flight get an error, then
+it exits (130 after Ctrl-C, else 0).
 """
 
 from __future__ import annotations
@@ -75,11 +77,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="where the tiny-random checkpoint is made (default: $TINY_LLM_CACHE or "
         "~/.cache/tiny-llm); downloaded models live in the Hugging Face cache ($HF_HOME)",
     )
-    settings.add_arguments(p)
+    settings.add_arguments(p, serving=True)
     args = p.parse_args(argv)
     if args.port > 65535:
         p.error("--port is at most 65535")
-    problem = settings.check_arguments(args)
+    problem = settings.check_arguments(args, serving=True)
     if problem:
         p.error(problem)
     return args
@@ -97,13 +99,15 @@ def build_engine(args: argparse.Namespace, path, package) -> tuple:
     if problem:
         raise cli.UsageError(problem)
     model = settings.build_model(package, ckpt, args)
+    pools = settings.make_pools(model, args)
+    settings.check_solution(args, pools)  # Week 4 Day 4 missing: stop now, not at a request
     engine = package.Engine(
         model,
         ckpt.tokenizer,
         max_seq_len=args.max_seq_len,
         batch_size=args.batch_size,
         prefill_step=args.prefill_step,
-        pools=settings.make_pools(model, args),
+        pools=pools,
         policy=args.policy,
     )
     print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
@@ -137,7 +141,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         service.start()
     except NotImplementedError as e:
-        print(cli.unfinished_message(args.solution, e), file=sys.stderr)
+        hint = settings.unfinished_hint(args, e)
+        print(cli.unfinished_message(args.solution, e) + hint, file=sys.stderr)
         return 1
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {e}", file=sys.stderr)

@@ -2,8 +2,9 @@
 scripts/fuzz-scheduler.py share.
 
 An Example is one batch_generate call: a trace (prompts as token ids, a max_new_tokens for
-each, EOS or not) and the settings (policy, budget, batch size, pool kind and size, headroom,
-query padding, compiled or not, fp32 or INT8 KV, and maybe a fault injected at some point).
+each, EOS or not, often all starting with the same tokens) and the settings (policy, budget,
+batch size, pool kind and size, prefix cache on or off, headroom, query padding, compiled or
+not, fp32 or INT8 KV, and maybe a fault injected at some point).
 check_example runs it and checks every property:
 
 - it ends: no exception but the documented refusal of a request larger than the pool;
@@ -36,6 +37,7 @@ MAX_PROMPT_TOKENS = 36  # past a page (at most 8 tokens) and past most budgets
 MAX_NEW_TOKENS = 12
 MAX_PROMPTS = 8
 MAX_BUDGET = 32
+MAX_SHARED_PREFIX = 15  # tokens in front of every prompt of an example
 MAX_SEQ_LEN = 64  # above every prompt plus its new tokens: no request stops at max_seq_len
 PROMPT_IDS = 256  # prompts use the byte tokens, which every byte-level vocabulary holds
 EOS_EVERY = 6  # every 6th token id also ends a request, so that EOS happens often
@@ -63,6 +65,7 @@ class Example:
     compiled: bool = False
     fault: str | None = None
     fault_at: int = 0
+    prefix_cache: bool = False
 
     def __repr__(self) -> str:
         """Example(...) as Python that builds it, a prompt of one repeated id as [id] * n."""
@@ -120,7 +123,9 @@ class Fuzz:
         if ex.pool == "dense":
             return None
         in_place = ex.pool == "in-place"
-        return model.create_kv_pools(ex.page_size, max_pages, read_in_place=in_place)
+        return model.create_kv_pools(
+            ex.page_size, max_pages, read_in_place=in_place, prefix_cache=ex.prefix_cache
+        )
 
     def alone(self, ex: Example, idx: int) -> tuple[list[int], str]:
         """(tokens, text) of prompt idx run on its own: the eager model, one slot, an
@@ -451,6 +456,9 @@ def examples(
     # one list of (prompt, max_new_tokens): the shrinker drops a request as one element
     trace = draw(st.lists(requests(), min_size=3 if pressure else 1, max_size=MAX_PROMPTS))
     prompts, max_new = [ids for ids, _ in trace], [n for _, n in trace]
+    # a prefix every prompt starts with, so that a prefix cache (Week 4 Day 4) finds pages
+    head = draw(st.lists(st.integers(0, PROMPT_IDS - 1), max_size=MAX_SHARED_PREFIX))
+    prompts = [head + ids for ids in prompts]
     policy = draw(st.sampled_from(policies))
     batch_size = draw(st.integers(2 if pressure else 1, 4))
     small = st.integers(1, 12)  # many chunks per prompt, sharing passes with decode rows
@@ -463,6 +471,7 @@ def examples(
                  page_size)  # fmt: skip
     if pool != "dense":
         ex.max_pages = draw(pool_sizes(ex, pressure))
+        ex.prefix_cache = draw(st.booleans())
     ex.headroom = draw(st.integers(0, 2))
     ex.query_padding = draw(st.booleans())
     ex.kv_bits = kv_bits
@@ -493,6 +502,7 @@ def pool_sizes(ex: Example, pressure: bool):
 def describe(ex: Example) -> str:
     """One line for progress output."""
     pages = "" if ex.pool == "dense" else f" pages {ex.max_pages}x{ex.page_size}"
+    pages += ", prefix cache" if ex.prefix_cache else ""
     return (
         f"{len(ex.prompts)} prompts, {ex.policy}, budget {ex.prefill_step}, "
         f"batch {ex.batch_size}, {ex.pool}{pages}"

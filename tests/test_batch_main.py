@@ -306,6 +306,25 @@ def test_gather_reads_pages_without_flash_attention(demo, capsys, tmp_path, eage
     assert answers(out) == eager_answers
 
 
+def test_prefix_cache_shares_the_paragraph_and_answers_the_same(demo, capsys, tmp_path):
+    """Week 4 Day 4: with the four Harrowfield prompts in (a longer --max-seq-len), the later
+    three find the paragraph's full pages cached; the answers are those of the same pool
+    without the cache. Off unless asked for."""
+    wider = ["--num-prompts", "10", "--max-seq-len", "320", "--prefill-step", "64"]
+    plain = demo_run(demo, capsys, tmp_path, *wider, "--page-size", "16")
+    assert "read in place, no prefix cache" in plain and "prefix cache:" not in plain
+    out = demo_run(demo, capsys, tmp_path, *wider, "--page-size", "16", "--prefix-cache")
+    assert "paged KV: pages of 16 tokens per layer, read in place, prefix cache" in out
+    assert "4 sharing the Harrowfield paragraph" in out
+    check_answers(out, 10)
+    assert answers(out) == answers(plain)
+    found = re.search(r"^prefix cache: (\d+) tokens found cached at admissions", out, re.M)
+    assert found and int(found[1]) > 0 and int(found[1]) % 16 == 0
+    # the prompt tokens run through the model: fewer by exactly what was found
+    prefilled = [int(re.search(r"^prefill: (\d+) tokens", o, re.M)[1]) for o in (plain, out)]
+    assert prefilled[0] - prefilled[1] == int(found[1])
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -315,6 +334,11 @@ def test_gather_reads_pages_without_flash_attention(demo, capsys, tmp_path, eage
             "--max-seq-len 96 tokens (6 pages)",
         ),
         (["--gather"], "--gather is about reading KV pages: add --max-pages N"),
+        (
+            ["--prefix-cache"],
+            "--prefix-cache shares KV pages between prompts, and dense caches have none: add "
+            "--max-pages N",
+        ),
         (["--policy", "fastest"], "invalid choice: 'fastest'"),
     ],
 )
@@ -341,6 +365,7 @@ def student_with(tmp_path: Path, unfinished: str) -> dict:
         ("stall_free", ["--policy", "hybrid"], "Week 3 Day 4, Task"),
         ("flash_attention", ["--max-pages", "8"], "Week 3 Day 5, Task"),
         ("memory_planning", ["--max-pages", "8", "--gather"], "Week 3 Day 6, Task"),
+        ("prefix_cache", ["--max-pages", "8", "--prefix-cache"], "Week 4 Day 4, Task"),
     ],
 )
 def test_a_setting_whose_day_is_not_written_names_the_task(tmp_path, unfinished, args, task):
@@ -352,6 +377,8 @@ def test_a_setting_whose_day_is_not_written_names_the_task(tmp_path, unfinished,
     assert task in lines[0]
     if unfinished == "flash_attention":  # pages read in place by default: say how to avoid it
         assert "--gather serves the pages without Week 3 Day 5" in lines[0]
+    if unfinished == "prefix_cache":
+        assert "--no-prefix-cache serves the pages without Week 4 Day 4" in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
 
 

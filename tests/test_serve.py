@@ -9,8 +9,10 @@ model and with the same settings, each prompt run alone and greedy.
 
 import concurrent.futures
 import http.client
+import importlib.util
 import json
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -115,7 +117,8 @@ class Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """The main server: a bounded paged pool, four decode slots, no key."""
+    """The main server: a bounded paged pool (so the prefix cache is on, serve's default), four
+    decode slots, no key."""
     s = Server(tmp_path_factory.mktemp("serve"), *ENGINE_FLAGS, *PAGED_FLAGS)
     yield s
     s.stop()
@@ -536,3 +539,202 @@ def test_ctrl_c_ends_open_streams_with_an_error(tmp_path):
         s.stop(signal.SIGKILL)
     err = s.err.read_text()
     assert "Traceback" not in err and err.rstrip().endswith("interrupted")
+
+
+# --- the prefix cache (Week 4 Day 4) ---------------------------------------------------------------
+
+STORY = (
+    "The lighthouse keeper of Gull Rock kept a logbook of every ship that passed the point, the "
+    "weather at dawn and at dusk, and the colour of the sea. In the winter of the long storm she "
+    "wrote that the lamp had burned for nine nights without rest, and that the supply boat came "
+    "late with oil, bread and a letter from her brother."
+)
+ENDINGS = [" Who wrote in the logbook?", " What came on the supply boat?", " How long did it burn?"]
+
+
+@pytest.fixture(scope="module")
+def uncached_server(tmp_path_factory):
+    """The main server's settings with --no-prefix-cache."""
+    s = Server(
+        tmp_path_factory.mktemp("serve-uncached"), *ENGINE_FLAGS, *PAGED_FLAGS, "--no-prefix-cache"
+    )
+    yield s
+    s.stop()
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def story_answers(s: Server) -> list[tuple[str, int, int]]:
+    """(text, prompt_tokens, cached_tokens) of the story prompts sent one after the other: a
+    completion, one the same streamed with include_usage, then chats with the story as their
+    system message (whole, then streamed)."""
+    client, got = s.client(), []
+    for i, ending in enumerate(ENDINGS):
+        kwargs = dict(model=MODEL, prompt=STORY + ending, temperature=0, max_tokens=12)
+        if i == 1:
+            chunks = list(
+                client.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            text, usage = "".join(c.choices[0].text for c in chunks if c.choices), chunks[-1].usage
+        else:
+            r = client.completions.create(**kwargs)
+            text, usage = r.choices[0].text, r.usage
+        got.append((text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
+    for stream in (False, True):
+        kwargs = dict(
+            model=MODEL,
+            messages=[
+                {"role": "system", "content": STORY},
+                {"role": "user", "content": ENDINGS[stream].strip()},
+            ],
+            temperature=0,
+            max_tokens=12,
+        )
+        if stream:
+            chunks = list(
+                client.chat.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            usage = chunks[-1].usage
+        else:
+            r = client.chat.completions.create(**kwargs)
+            text, usage = r.choices[0].message.content, r.usage
+        got.append((text, usage.prompt_tokens, usage.prompt_tokens_details.cached_tokens))
+    return got
+
+
+def test_prefix_cache_finds_the_shared_pages_and_answers_the_same(server, uncached_server, ref):
+    assert "prefix cache" in server.out.read_text()
+    assert "no prefix cache" in uncached_server.out.read_text()
+    before = server.metrics()
+    got = story_answers(server)
+    after = server.metrics()
+    first = ref.tokenizer.encode(STORY + ENDINGS[0])
+    for i, (_, prompt_n, cached) in enumerate(got):
+        if i in (0, len(ENDINGS)):  # the first completion, the first chat: nothing came before
+            assert cached == 0, (i, cached)
+            continue
+        assert 0 < cached < prompt_n and cached % PAGE_SIZE == 0, (i, cached)
+        if i < len(ENDINGS):  # the completions: every full page of what they share with the first
+            ids = ref.tokenizer.encode(STORY + ENDINGS[i])
+            common = min(shared_prefix(first, ids), len(ids) - 1)
+            assert cached == common // PAGE_SIZE * PAGE_SIZE, (i, cached, common)
+    # the same text, token counts and all, without the cache; and there nothing is found cached
+    plain = story_answers(uncached_server)
+    assert [(t, n) for t, n, _ in got] == [(t, n) for t, n, _ in plain]
+    assert [c for _, _, c in plain] == [0] * len(plain)
+
+    cached = after["tiny_llm_prompt_tokens_cached_total"]
+    prefilled = after["tiny_llm_prompt_tokens_prefilled_total"]
+    assert cached - before["tiny_llm_prompt_tokens_cached_total"] == sum(c for _, _, c in got)
+    assert prefilled - before["tiny_llm_prompt_tokens_prefilled_total"] == sum(
+        n - c for _, n, c in got
+    )
+    rate = after["tiny_llm_prefix_cache_hit_rate"]
+    assert 0 < rate < 1 and rate == pytest.approx(cached / (cached + prefilled), abs=1e-6)
+    assert after["tiny_llm_kv_pages_in_use"] == 0 and after["tiny_llm_kv_pages_cached"] > 0
+    assert after["tiny_llm_kv_pages_free"] == MAX_PAGES  # cached pages count as free
+    m = uncached_server.metrics()
+    assert m["tiny_llm_prompt_tokens_cached_total"] == 0 and m["tiny_llm_kv_pages_cached"] == 0
+    assert m["tiny_llm_prefix_cache_hit_rate"] == 0
+
+
+def test_prefix_cache_metrics_are_typed(server):
+    text = request(server.port, "GET", "/metrics")[2].decode()
+    for name, kind in [
+        ("tiny_llm_prompt_tokens_cached_total", "counter"),
+        ("tiny_llm_kv_pages_cached", "gauge"),
+        ("tiny_llm_prefix_cache_hit_rate", "gauge"),
+    ]:
+        assert re.search(rf"^# TYPE {name} {kind}$", text, re.M), name
+        assert re.search(rf"^{name} \d+(\.\d+)?$", text, re.M), name
+
+
+@pytest.fixture(scope="module")
+def serve_module():
+    """serve.py imported as a module, for its argument parsing."""
+    spec = importlib.util.spec_from_file_location("serve_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "flags, on",
+    [
+        ([], False),  # dense caches: nothing to share
+        (["--max-pages", "64"], True),  # a bounded pool: on by default
+        (["--max-pages", "64", "--no-prefix-cache"], False),
+        (["--page-size", "16"], False),  # unbounded: nothing would ever leave the cache
+        (["--no-prefix-cache"], False),
+    ],
+)
+def test_prefix_cache_default(serve_module, flags, on):
+    assert serve_module.parse_args(flags).prefix_cache is on
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--page-size", "16", "--prefix-cache"], "a pool without --max-pages is never full"),
+        (["--prefix-cache", "--no-prefix-cache", "--page-size", "16"], None),  # the last wins
+    ],
+)
+def test_prefix_cache_in_an_unbounded_pool(serve_module, capsys, flags, words):
+    if words is None:
+        assert serve_module.parse_args(flags).prefix_cache is False
+        return
+    with pytest.raises(SystemExit) as exit_:
+        serve_module.parse_args(flags)
+    assert exit_.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_prefix_cache_without_pages_is_refused(tmp_path):
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", MODEL, "--port", "0", "--prefix-cache"],
+        cwd=ROOT,
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert "--prefix-cache shares KV pages between prompts, and dense caches have none" in last
+    assert "--max-pages N" in last and "Traceback" not in result.stderr
+    assert "serving" not in result.stdout
+
+
+def test_a_solution_without_the_prefix_cache_stops_at_start_up(tmp_path):
+    """tiny_llm as the reference but with prefix_cache.py as the skeleton has it: the server,
+    whose bounded pool turns the cache on by default, stops before it listens, naming the task
+    and the flag that serves without it."""
+    spec = importlib.util.spec_from_file_location("dev_tools", ROOT / "scripts" / "dev-tools.py")
+    dev_tools = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(dev_tools)
+    package = tmp_path / "student" / "tiny_llm"
+    shutil.copytree(ROOT / "src" / "tiny_llm_ref", package)
+    reference = (package / "prefix_cache.py").read_text()
+    (package / "prefix_cache.py").write_text(dev_tools.skeleton_module(reference, "test")[0])
+    env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
+    flags = ["--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *PAGED_FLAGS]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", MODEL, *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tiny_llm is not finished yet: "), lines
+    assert "Week 4 Day 4, Task 1" in lines[0]
+    assert lines[0].endswith("; --no-prefix-cache serves the pages without Week 4 Day 4")
+    assert "serving" not in result.stdout

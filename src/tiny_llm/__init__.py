@@ -25,6 +25,16 @@ from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
+from .prefix_cache import (
+    CachedPage,
+    TinyKvSharedPool,
+    TinyKvSharedQuantizedPool,
+    cached_prefix,
+    page_key,
+    register_full_pages,
+    reuse_prefix,
+    tokens_to_admit,
+)
 from .quantize import (
     QUANTIZED_LINEAR_PATHS,
     QuantizedWeight,
@@ -55,6 +65,14 @@ from .stall_free import Segment, forward_ragged, hybrid_step
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 __all__ = [
+    "CachedPage",
+    "TinyKvSharedPool",
+    "TinyKvSharedQuantizedPool",
+    "cached_prefix",
+    "page_key",
+    "register_full_pages",
+    "reuse_prefix",
+    "tokens_to_admit",
     "sample_rows",
     "pick_tokens",
     "stop_cut",

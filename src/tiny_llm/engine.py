@@ -39,7 +39,8 @@ class RequestRefused(ValueError):
 class RequestOutput:
     """What one step produced for one request: the text and tokens new since its last output,
     and, on its last output, why it ended ("stop": EOS or a stop string, "length": max_tokens
-    or max_seq_len, "abort")."""
+    or max_seq_len, "abort"). cached_tokens: the prompt tokens its first admission found in the
+    prefix cache (Week 4 Day 4) instead of prefilling them."""
 
     request_id: int
     text: str
@@ -47,6 +48,7 @@ class RequestOutput:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0
 
 
 @dataclass
@@ -94,6 +96,7 @@ class Engine:
         self.model, self.tokenizer, self.pools = model, tokenizer, pools
         self.max_seq_len, self.prefill_step, self.policy = max_seq_len, prefill_step, policy
         self.query_padding, self.on_step = query_padding, on_step
+        self.ladder = query_ladder(model, query_padding)  # the hybrid passes' widths (3.3)
         self.scheduler = Scheduler(model, batch_size, pools, self.observe)
         self.streams: dict[int, Stream] = {}
         self.ended: list[RequestOutput] = []  # final outputs decided between steps (aborts)
@@ -170,8 +173,7 @@ class Engine:
 
     def iterate(self) -> None:
         if self.policy == "hybrid":
-            ladder = query_ladder(self.model, self.query_padding)
-            hybrid_step(self.scheduler, self.prefill_step, ladder)
+            hybrid_step(self.scheduler, self.prefill_step, self.ladder)
         else:
             self.scheduler.alternate_step()
 
@@ -216,19 +218,19 @@ class Engine:
         stream.tokens_sent += len(tokens)
         stream.chars_sent += cut
         if reason is None:
-            return RequestOutput(
-                request.prompt_idx, text[:cut], tokens, None,
-                len(request.prompt_tokens), len(request.generated),
-            )  # fmt: skip
+            return self.output(request, text[:cut], tokens, None)
         self.counts["requests_finished"] += 1
         return self.end(stream, text[:cut], tokens, reason)
 
     def end(self, stream: Stream, text: str, tokens: list[int], reason: str) -> RequestOutput:
-        request = stream.request
-        del self.streams[request.prompt_idx]
+        del self.streams[stream.request.prompt_idx]
+        return self.output(stream.request, text, tokens, reason)
+
+    @staticmethod
+    def output(request: Request, text: str, tokens: list[int], reason: str | None) -> RequestOutput:
         return RequestOutput(
             request.prompt_idx, text, tokens, reason,
-            len(request.prompt_tokens), len(request.generated),
+            len(request.prompt_tokens), len(request.generated), request.cached_tokens,
         )  # fmt: skip
 
     def visible_text(self, request: Request) -> str:
@@ -249,6 +251,8 @@ class Engine:
         """Count what the scheduler reports, then pass the event on."""
         if step.kind == "prefill":
             self.counts["prompt_tokens_prefilled"] += step.tokens
+        elif step.kind == "admit":
+            self.counts["prompt_tokens_cached"] += step.tokens
         elif step.kind == "decode":
             self.counts["tokens_decoded"] += step.tokens
         elif step.kind == "preempt":
@@ -264,6 +268,7 @@ class Engine:
             "running": len(s.running()) + (s.prefilling is not None),
             "waiting": len(s.pending),
             "pages_in_use": self.pools[0].num_in_use if self.pools else 0,
+            "pages_cached": getattr(self.pools[0], "num_cached", 0) if self.pools else 0,
             "pages_free": None if free == math.inf else int(free),
             **self.counts,
         }
@@ -274,13 +279,11 @@ class Engine:
         for stream in self.streams.values():
             stream.request.release()
         self.streams.clear()
-        self.scheduler.pending.clear()
-        self.scheduler.prefilling = None
-        self.scheduler.slots = [None] * len(self.scheduler.slots)
 
 
 COUNTS = (
     "prompt_tokens_prefilled",
+    "prompt_tokens_cached",
     "tokens_decoded",
     "preemptions",
     "requests_finished",

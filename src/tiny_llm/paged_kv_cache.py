@@ -157,6 +157,14 @@ class TinyKvPagedCache(TinyKvCache):
         """Write key/value [1, H_kv, L, D] into the request's pages, allocating what it needs."""
         raise NotImplementedError("Week 2 Day 2, Task 3: append through the page table")
 
+    def share(self, pages: list[int]) -> None:
+        """Start the empty page table with full pages another table filled (Week 4 Day 4):
+        their tokens count as cached. The caller has taken a reference to each."""
+        if self.page_table:
+            raise ValueError("only an empty page table can start with shared pages")
+        self.page_table = list(pages)
+        self._offset = len(pages) * self.pool.page_size
+
     def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         """Append, then gather every cached token into dense [1, H_kv, S, D] arrays."""
         self.append(key, value)

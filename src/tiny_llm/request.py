@@ -13,6 +13,7 @@ from tiny_llm_support import Tokenizer
 
 from .memory_planning import free_pages, pages_for
 from .paged_kv_cache import TinyKvPagedPool
+from .prefix_cache import register_full_pages, shares_prefix
 from .qwen3 import Qwen3Model
 from .sampler import SamplingParams, pick_tokens
 from .shape_stable import Ladder, query_ladder
@@ -73,6 +74,8 @@ class Request:
             self.kv_cache = model.create_kv_cache()
         else:
             self.kv_cache = model.create_paged_kv_cache(pools)
+        self.entries: list[list[int]] = [[] for _ in self.kv_cache]  # per layer (Week 4 Day 4)
+        self.cached_tokens = 0  # prompt tokens found in the prefix cache at first admission
 
     @property
     def num_prefill_chunks(self) -> int:
@@ -104,7 +107,13 @@ class Request:
         preemption already holds its next token)."""
         self.offset += n
         self.is_prefill_done = self.offset == len(self.prefill_tokens)
+        self.cache_grew()
         return self.is_prefill_done and not self.generated
+
+    def cache_grew(self) -> None:
+        """With a prefix cache (Week 4 Day 4), pages that just filled up become findable."""
+        if shares_prefix(self):
+            register_full_pages(self)
 
     def materialize(self) -> None:
         for layer_cache in self.kv_cache:
@@ -145,7 +154,9 @@ class Request:
 
     def decode_done(self, token: int) -> None:
         """The last accepted token is now in the cache; `token` is the next one."""
-        raise NotImplementedError("Week 3 Day 1, Task 4: accept a decoded token")
+        self.offset += 1
+        self.accept(token)
+        self.cache_grew()
 
     def accept(self, token: int) -> None:
         """Record a generated token and decide whether the request is done."""
@@ -159,6 +170,8 @@ class Request:
     def release(self) -> None:
         for layer_cache in self.kv_cache:
             layer_cache.release()
+        for entries in self.entries:
+            entries.clear()
 
 
 def prompt_tokens(

@@ -18,6 +18,7 @@ import mlx.core as mx
 from .batching_kv_cache import BatchingKvCache
 from .memory_planning import can_admit, free_pages, make_room, pages_for
 from .paged_kv_cache import TinyKvPagedPool
+from .prefix_cache import reuse_prefix, shares_prefix, tokens_to_admit
 from .qwen3 import Qwen3Model
 from .request import Request
 from .sampler import pick_tokens
@@ -85,21 +86,38 @@ class Scheduler:
 
     def admit(self) -> Request | None:
         """The next waiting request, or None while it does not fit the pool (it waits; the
-        engine refused any request that could never fit before queueing it)."""
+        engine refused any request that could never fit before queueing it). With a prefix
+        cache (Week 4 Day 4) its page tables start with the cached pages of its prompt; the
+        "admit" event's `tokens` counts the tokens they hold."""
         if self.pending:
             request = self.pending[0]
             alone = self.prefilling is None and not any(self.slots)  # headroom is for others
-            if not alone and not can_admit(len(request.prefill_tokens), self.owed(), self.pools):
+            if not alone and not can_admit(
+                tokens_to_admit(request), self.reserved(request), self.pools
+            ):
                 if self.waiting is not request:
                     self.waiting = request
                     self.report("wait", request)
                 return None
             self.pending.popleft()
+            first = request.admitted == 0
             self.admissions += 1
             request.admitted = self.admissions
-            self.report("admit", request)
+            cached = reuse_prefix(request) if shares_prefix(request) else 0
+            if first:
+                request.cached_tokens = cached
+            self.report("admit", request, cached)
             return request
         return None
+
+    def reserved(self, request: Request) -> int:
+        """Pages an admission must leave free: those owed to prompts being prefilled and, when
+        admission itself takes cached pages off the LRU (a prefix cache), the pages this
+        iteration's decode rows will take."""
+        owed = self.owed()
+        if shares_prefix(request):
+            owed += sum(pages_for(r, 1) for r in self.running() if r.is_prefill_done)
+        return owed
 
     def preempt(self, request: Request) -> None:
         """Take a running request out of its slot, free its pages and queue it first."""
@@ -126,12 +144,16 @@ class Scheduler:
         self.report("finish", request)
 
     def release(self) -> None:
-        """Return every cache still held: the slots' requests and the one being prefilled."""
+        """Return every cache still held (the slots' requests, the one being prefilled) and
+        forget every request, waiting ones included."""
         for layer_cache in self.batch_cache:
             layer_cache.release()  # releases the caches of the requests it batches
         for request in [*self.slots, self.prefilling]:
             if request is not None:
                 request.release()
+        self.pending.clear()
+        self.prefilling = self.waiting = None
+        self.slots = [None] * len(self.slots)
 
     def alternate_step(self) -> None:
         """One iteration: admit, prefill one chunk, then one batched decode step."""

@@ -53,7 +53,7 @@ def plan_pass(scheduler, budget: int) -> tuple[list, list]:
     decoding = lambda: [r for r in slots if r is not None and r.is_prefill_done]
     decode_pages = lambda: sum(pages_for(r, 1) for r in decoding())
     make_room(scheduler, decode_pages)
-    spare = free_pages(scheduler.pools) - decode_pages()  # pages no decode row needs
+    promised = decode_pages()  # pages the decode rows, then the chunks, will take
     room, chunks = budget - len(decoding()), []
     prefilling = [r for r in slots if r is not None and not r.is_prefill_done]
     while room > 0:
@@ -63,12 +63,13 @@ def plan_pass(scheduler, budget: int) -> tuple[list, list]:
             slots[slots.index(None)] = request
         else:
             break
+        spare = free_pages(scheduler.pools) - promised  # an admission may take cached pages
         ids = request.prefill_tokens[request.offset : request.offset + room]
         ids = ids[: min(len(ids), tokens_that_fit(request, spare))]
         if ids:
             chunks.append((request, ids))
             room -= len(ids)
-            spare -= pages_for(request, len(ids))
+            promised += pages_for(request, len(ids))
     return decoding(), chunks
 
 

@@ -209,6 +209,14 @@ class TinyKvPagedCache(TinyKvCache):
         self._offset = new_offset
         # END TASK
 
+    def share(self, pages: list[int]) -> None:
+        """Start the empty page table with full pages another table filled (Week 4 Day 4):
+        their tokens count as cached. The caller has taken a reference to each."""
+        if self.page_table:
+            raise ValueError("only an empty page table can start with shared pages")
+        self.page_table = list(pages)
+        self._offset = len(pages) * self.pool.page_size
+
     def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         """Append, then gather every cached token into dense [1, H_kv, S, D] arrays."""
         self.append(key, value)
@@ -244,7 +252,7 @@ class TinyKvPagedCache(TinyKvCache):
 
     def release(self) -> None:
         # BEGIN TASK Week 2 Day 2, Task 4: release every page of the request
-        for page in self.page_table:
+        for page in reversed(self.page_table):  # last page first (see Week 4 Day 4)
             self.pool.free(page)
         self.page_table = []
         self._offset = 0

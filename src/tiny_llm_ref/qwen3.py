@@ -15,6 +15,7 @@ from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
+from .prefix_cache import TinyKvSharedPool, TinyKvSharedQuantizedPool
 from .quantize import QuantizedWeight
 from .quantized_kv_cache import TinyKvQuantizedCache, TinyKvQuantizedPagedPool
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
@@ -217,11 +218,15 @@ class Qwen3Model(Qwen3ModelWeek1):
         return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
 
     def create_kv_pools(
-        self, page_size: int = 16, max_pages: int | None = None, read_in_place: bool = False
+        self,
+        page_size: int = 16,
+        max_pages: int | None = None,
+        read_in_place: bool = False,
+        prefix_cache: bool = False,
     ) -> list[TinyKvPagedPool]:
         """One pool per layer, for this rank's KV heads once sharded (Week 4 Day 2);
         read_in_place: attention reads the pages where they lie (Week 3 Day 5) instead of
-        gathering them."""
+        gathering them; prefix_cache: full pages are shared by content (Week 4 Day 4)."""
         h_kv = self.layers[0].self_attn.num_kv_heads
         if self.kv_bits is not None:
             if read_in_place:
@@ -229,8 +234,9 @@ class Qwen3Model(Qwen3ModelWeek1):
                     "quantized pages are read through gather: read_in_place needs float pages "
                     "(kv_bits=None)"
                 )
+            quantized = TinyKvSharedQuantizedPool if prefix_cache else TinyKvQuantizedPagedPool
             return [
-                TinyKvQuantizedPagedPool(
+                quantized(
                     h_kv,
                     self.config.head_dim,
                     page_size,
@@ -241,10 +247,9 @@ class Qwen3Model(Qwen3ModelWeek1):
                 )
                 for _ in range(self.num_hidden_layers)
             ]
+        pool = TinyKvSharedPool if prefix_cache else TinyKvPagedPool
         return [
-            TinyKvPagedPool(
-                h_kv, self.config.head_dim, page_size, max_pages, self.dtype, read_in_place
-            )
+            pool(h_kv, self.config.head_dim, page_size, max_pages, self.dtype, read_in_place)
             for _ in range(self.num_hidden_layers)
         ]
 

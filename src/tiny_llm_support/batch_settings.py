@@ -1,13 +1,21 @@
-"""How batch-main serves: the scheduler settings of Week 3 Days 3 to 6, from the command line
-to the model, the page pools and batch_generate's keywords, and the lines that describe them.
+"""How batch-main and serve run the scheduler: the settings of Week 3 Days 3 to 6 and Week 4
+Day 4, from the command line to the model, the page pools and batch_generate's keywords, and the
+lines that describe them.
 
     --compile             the blocks' token-parallel halves compiled (3.3); query padding on
     --policy hybrid       one forward pass per iteration: decode rows and prompt chunks (3.4)
     --max-pages N         a bounded paged KV pool (3.6), pages of --page-size tokens (2.2)
     --gather              read the pages by gathering them (2.2) instead of in place (3.5)
+    --prefix-cache        full pages shared by content between prompts (4.4)
+
+The prefix cache is off unless asked for in batch-main. serve turns it on by default for a
+bounded pool (--max-pages) and refuses it for an unbounded one: a cached page leaves the cache
+only when an allocation finds no free page, which never happens in a pool without a limit, so
+a server that runs for days would keep every page it ever filled.
 
 Every check here runs before any model call; a setting a solution has not written yet stops
-with its task message when batch_generate reaches it.
+with its task message when batch_generate reaches it (serve looks for the prefix cache's first
+task at start-up, see check_solution).
 """
 
 from __future__ import annotations
@@ -21,9 +29,11 @@ POLICIES = ("alternate", "hybrid")
 DEFAULT_PAGE_SIZE = 16
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """--compile, --policy, --max-pages, --page-size and --read-in-place / --gather."""
-    g = p.add_argument_group("scheduler (Week 3 Days 3-6)")
+def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """--compile, --policy, --max-pages, --page-size, --read-in-place / --gather and
+    --prefix-cache / --no-prefix-cache. `serving`: serve's help text (the prefix cache's
+    default differs, see check_arguments)."""
+    g = p.add_argument_group("scheduler (Week 3 Days 3-6, Week 4 Day 4)")
     g.add_argument(
         "--compile",
         action="store_true",
@@ -63,14 +73,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         action="store_false",
         help="attention reads a dense copy gathered from the pages (2.2)",
     )
+    if serving:
+        default = "default: on with --max-pages, off without it"
+    else:
+        default = "default: off"
+    g.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="share the KV pages of full prompt blocks by content, so a prompt that starts like "
+        f"an earlier one skips that part of its prefill (4.4; needs pages; {default})",
+    )
 
 
-def check_arguments(args: argparse.Namespace) -> str | None:
-    """What is wrong with the settings on their own, or None; fills in the defaults."""
+def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | None:
+    """What is wrong with the settings on their own, or None; fills in the defaults.
+    `serving` (serve): the prefix cache is on by default for a bounded pool, and refused for
+    an unbounded one."""
     paged = args.max_pages is not None or args.page_size is not None
     if args.read_in_place is not None and not paged:
         flag = "--read-in-place" if args.read_in_place else "--gather"
         return f"{flag} is about reading KV pages: add --max-pages N (or --page-size N)"
+    if args.prefix_cache and not paged:
+        return (
+            "--prefix-cache shares KV pages between prompts, and dense caches have none: add "
+            "--max-pages N (or --page-size N)"
+        )
+    if serving and args.prefix_cache and args.max_pages is None:
+        return (
+            "--prefix-cache keeps pages until a full pool needs them back, and a pool without "
+            "--max-pages is never full: the server would keep every page it filled; add "
+            "--max-pages N (or --no-prefix-cache)"
+        )
+    if args.prefix_cache is None:
+        args.prefix_cache = serving and args.max_pages is not None
     if paged:
         args.page_size = args.page_size or DEFAULT_PAGE_SIZE
         args.read_in_place = args.read_in_place is not False
@@ -109,7 +145,20 @@ def make_pools(model: Any, args: argparse.Namespace) -> list | None:
     each rank's pools hold its own KV heads), else None: dense caches."""
     if args.page_size is None:
         return None
-    return model.create_kv_pools(args.page_size, args.max_pages, read_in_place=args.read_in_place)
+    # the keyword only when on: a solution from before Week 4 Day 4 still serves without it
+    shared = {"prefix_cache": True} if args.prefix_cache else {}
+    return model.create_kv_pools(
+        args.page_size, args.max_pages, read_in_place=args.read_in_place, **shared
+    )
+
+
+def check_solution(args: argparse.Namespace, pools: list | None) -> None:
+    """Reach the prefix cache's first task once, before any request: a solution that has not
+    written Week 4 Day 4 stops at start-up with the task's NotImplementedError (and
+    unfinished_hint names --no-prefix-cache) rather than when a server's first request
+    arrives. A lookup in an empty index changes nothing."""
+    if args.prefix_cache and pools:
+        pools[0].lookup(-1, (0,) * pools[0].page_size)
 
 
 def batch_keywords(args: argparse.Namespace, pools: list | None) -> dict[str, Any]:
@@ -136,7 +185,8 @@ def describe(args: argparse.Namespace) -> str:
         if args.max_pages is not None:
             pages = f"{args.max_pages} {pages} ({args.max_pages * args.page_size} in all)"
         read = "read in place" if args.read_in_place else "gathered"
-        kv = f"paged KV: {pages} per layer, {read}"
+        shared = "prefix cache" if args.prefix_cache else "no prefix cache"
+        kv = f"paged KV: {pages} per layer, {read}, {shared}"
     return f"scheduler: {policy}, {compiled}, {kv}"
 
 
@@ -144,11 +194,15 @@ def unfinished_hint(args: argparse.Namespace, error: NotImplementedError) -> str
     """A way around a missing exercise that is only a setting's."""
     if args.read_in_place and "Week 3 Day 5" in str(error):
         return "; --gather serves the pages without Week 3 Day 5"
+    if args.prefix_cache and "Week 4 Day 4" in str(error):
+        return "; --no-prefix-cache serves the pages without Week 4 Day 4"
     return ""
 
 
-def summary_lines(model: Any, pools: list | None) -> list[str]:
-    """What the settings did over the run: compilations, the pool's peak."""
+def summary_lines(model: Any, pools: list | None, cached_tokens: int = 0) -> list[str]:
+    """What the settings did over the run: compilations, the pool's peak, and with a prefix
+    cache the tokens its admissions found cached (`cached_tokens`, the sum of the "admit"
+    events' tokens; a preempted request admitted again counts too)."""
     lines = []
     stats = model.compile_stats() if getattr(model, "compiled", False) else None
     if stats:
@@ -163,4 +217,9 @@ def summary_lines(model: Any, pools: list | None) -> list[str]:
             f"pages: at most {pool.peak_in_use}{limit} in use per layer, {pool.num_in_use} "
             f"at the end, {pool.num_allocations} handed out in all"
         )
+        if hasattr(pool, "num_cached"):
+            lines.append(
+                f"prefix cache: {cached_tokens} tokens found cached at admissions, "
+                f"{pool.num_cached} pages cached at the end, {pool.evictions} evicted"
+            )
     return lines

@@ -5,7 +5,7 @@ that runs on its own thread (server_engine.EngineService).
     POST /v1/completions        a text or token-id prompt
     GET  /v1/models             the one model served
     GET  /health                200 while the engine runs, 503 once it stops
-    GET  /metrics               engine.stats() in Prometheus' text format
+    GET  /metrics               engine.stats() in Prometheus' text format, and the prefix hit rate
 
 A handler checks the request (server_api), turns it into token ids and sampling settings, and
 hands it to the engine thread; it never calls the model. The engine's outputs come back on the
@@ -267,8 +267,11 @@ async def sse_events(channel: Channel, reply: Reply) -> AsyncIterator[str]:
     yield sse("[DONE]")
 
 
-def usage_of(output: Any) -> dict[str, int]:
-    return usage(output.prompt_tokens, output.completion_tokens)
+def usage_of(output: Any) -> dict[str, Any]:
+    """The usage of a request's last output (a solution from before Week 4 Day 4 has no
+    cached_tokens: nothing was cached)."""
+    cached = getattr(output, "cached_tokens", 0)
+    return usage(output.prompt_tokens, output.completion_tokens, cached)
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -305,11 +308,30 @@ METRICS = {
     "running": ("tiny_llm_requests_running", "gauge", "requests holding a decode slot"),
     "waiting": ("tiny_llm_requests_waiting", "gauge", "requests waiting for a slot or pages"),
     "pages_in_use": ("tiny_llm_kv_pages_in_use", "gauge", "KV pages held by requests"),
-    "pages_free": ("tiny_llm_kv_pages_free", "gauge", "KV pages free in a bounded pool"),
+    "pages_free": (
+        "tiny_llm_kv_pages_free",
+        "gauge",
+        "KV pages free in a bounded pool (cached pages included: an allocation may take them)",
+    ),
+    "pages_cached": (
+        "tiny_llm_kv_pages_cached",
+        "gauge",
+        "KV pages no request holds, kept for the prefix cache (reclaimable, counted as free)",
+    ),
     "prompt_tokens_prefilled": (
         "tiny_llm_prompt_tokens_prefilled_total",
         "counter",
         "prompt tokens run through the model",
+    ),
+    "prompt_tokens_cached": (
+        "tiny_llm_prompt_tokens_cached_total",
+        "counter",
+        "prompt tokens found in the prefix cache at admissions, not run through the model",
+    ),
+    "prefix_hit_rate": (  # computed here from the two counters above
+        "tiny_llm_prefix_cache_hit_rate",
+        "gauge",
+        "prompt tokens cached / (cached + prefilled), since the start; 0 before any",
     ),
     "tokens_decoded": ("tiny_llm_tokens_decoded_total", "counter", "tokens generated"),
     "preemptions": ("tiny_llm_preemptions_total", "counter", "requests preempted for pages"),
@@ -323,11 +345,20 @@ METRICS = {
 }
 
 
+def prefix_hit_rate(stats: dict[str, Any]) -> float:
+    """The share of the prompt tokens admitted so far whose KV the prefix cache held: cached /
+    (cached + prefilled), 0 before any prompt token (and with an engine that counts none)."""
+    cached = stats.get("prompt_tokens_cached", 0)
+    total = cached + stats.get("prompt_tokens_prefilled", 0)
+    return cached / total if total else 0.0
+
+
 def prometheus_text(stats: dict[str, Any], refused_busy: int) -> str:
     """Prometheus' text exposition format: # HELP, # TYPE, then `name value`. A stat that is
     None (pages_free of an unbounded pool) is left out; a stat not in METRICS is a gauge."""
     lines = []
-    for key, value in {**stats, "refused_busy": refused_busy}.items():
+    extra = {"prefix_hit_rate": round(prefix_hit_rate(stats), 6), "refused_busy": refused_busy}
+    for key, value in {**stats, **extra}.items():
         if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
             continue
         name, kind, help_text = METRICS.get(key, (f"tiny_llm_{key}", "gauge", f"engine {key}"))

@@ -242,7 +242,7 @@ class Reply:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, int]) -> dict[str, Any]:
+    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
         """The whole answer of a request that did not stream."""
         if self.kind == "chat":
             choice = {"message": {"role": "assistant", "content": text}}
@@ -265,7 +265,7 @@ class Reply:
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope(".chunk", [choice], **extra)
 
-    def usage_chunk(self, usage: dict[str, int]) -> dict[str, Any]:
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk of a stream with include_usage: no choices, the token counts."""
         return self._envelope(".chunk", [], usage=usage)
 
@@ -281,11 +281,14 @@ class Reply:
         }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object. cached_tokens: the prompt tokens whose KV came from the prefix
+    cache (Week 4 Day 4) instead of a prefill, under OpenAI's name for them."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 

@@ -1,0 +1,1233 @@
+"""Week 4 Day 4: what a prefix cache saves on an agent-like trace.
+
+The trace (a committed JSON file, checked by its SHA-256) is a system prompt shared by several
+conversations of several turns each. Every turn sends the whole conversation so far again: the
+system prompt, the earlier user messages and the server's own earlier answers, then a new user
+message. Prompts and messages are token ids (random weights: the text would mean nothing);
+every answer is `max_tokens` tokens, EOS ignored, greedy.
+
+The conversations run closed-loop: every first turn arrives at t = 0, and a conversation's next
+turn arrives the moment its previous answer is complete. Three ways to serve it, each run in a
+fresh process (one warm-up of a few requests first, on caches thrown away afterwards), the
+order reversed on every other repeat:
+
+- off     the reference Engine on plain paged pools (every prompt prefilled in full);
+- on      the same Engine, same pages, policy and budget, with prefix_cache=True: full pages
+          shared by content, so a turn prefills only what its conversation added since the
+          last page boundary it reached;
+- mlx-lm  mlx-lm on the same weights, one request at a time, as mlx_lm.server serves a model
+          it does not batch: fetch_nearest_cache from an LRUPromptCache, stream_generate
+          over the rest of the prompt with that cache, insert_cache with prompt + answer.
+
+Reported per mode: prompt tokens computed (prefilled) and found cached, time to first token
+(p50/p95 over the first turns and over the later turns; a turn's clock starts when it
+arrives), wall time and generated tokens/s, pages held at the peak (engine modes), and whether
+its generated token ids equal those of the cache-off run. The issue's targets are checked and
+reported, met or not.
+
+    pdm run bench-prefix-cache                                  # the full run (8-layer 0.6B shape)
+    pdm run bench-prefix-cache --conversations 2 --turns 2 --system-tokens 128   # a quick look
+    pdm run bench-prefix-cache --write-trace PATH [--seed N ...]  # make a trace, run nothing
+
+Writes JSON (host, MLX, BLAS, model, the trace's SHA-256 and the part of it used, every
+request of every run, per-mode medians, the targets) and a PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
+import mlx.core as mx
+from common import (
+    EMBEDDED_CONFIGS,
+    RESULTS,
+    BenchModel,
+    add_model_arguments,
+    bench_model_from_args,
+    blas_info,
+    canonical_json,
+    host_info,
+    log,
+    median,
+    mlx_info,
+    openblas_preload_env,
+    percentile,
+    write_json,
+)
+from trace_run import NoTextTokenizer, make_trace
+
+from tiny_llm_support import CheckpointError, choose_device, gpu_available, mlx_lm_qwen3
+from tiny_llm_support.cli import (
+    SOLUTIONS,
+    default_dtype,
+    int_at_least,
+    load_solution,
+    unfinished_message,
+)
+
+SCHEMA = "tiny-llm/bench-prefix-cache/v1"
+TRACE_SCHEMA = "tiny-llm/prefix-trace/v1"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "prefix-agent.json"
+# The SHA-256 of the committed trace file's bytes: a changed file is refused, so that results
+# under one name always come from one trace. Regenerate it with --write-trace (the file records
+# the command) and update this line together with it.
+DEFAULT_TRACE_SHA256 = "98be1060f03384c4282cb17c4fd3990c74aaf66327885ddc2bb2244908009bf6"
+MODES = ("off", "on", "mlx-lm")
+DEFAULT_LAYERS = 8  # for a shortcut with an embedded config: "the 8-layer Qwen3-0.6B shape"
+OLD_OPENBLAS_CORES = ("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai")
+EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
+MLX_LM_MODEL_KEY = ("bench-prefix-cache", None, None)  # mlx_lm.server keys a cache by model
+WARMUP_PROMPT_TOKENS = 256
+WARMUP_SEED = 1_000_003
+
+DEFINITIONS = {
+    "arrival_s": "when a request arrives: 0 for every first turn, the moment the previous "
+    "turn's answer is complete for a later one (seconds from the run's start)",
+    "start_s": "when the engine admitted the request, or mlx-lm took it up",
+    "ttft": "first_token_s - arrival_s: waiting included",
+    "prefill_tokens": "prompt tokens the model computed (the engine's prompt_tokens_prefilled; "
+    "for mlx-lm the rest of the prompt after its cached prefix)",
+    "cached_tokens": "prompt tokens whose keys and values came from the cache",
+    "peak_pages": "the most pages per layer held by page tables at once (cached pages no "
+    "table holds are not counted)",
+    "turns 2..": "later: every turn after the first",
+}
+
+# The issue's targets: cache on against cache off.
+TARGET_PREFILL_FRACTION = 0.20  # prompt tokens computed, on / off, at most
+TARGET_TTFT_SPEEDUP = 5.0  # p50 TTFT of turns 2.., off / on, at least
+
+
+# --- the trace -----------------------------------------------------------------------------
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be used; the message says why."""
+
+
+@dataclass
+class AgentTrace:
+    """A shared system prompt and, per conversation, each turn's new user message (ids)."""
+
+    system: list[int]
+    conversations: list[list[list[int]]]  # [conversation][turn] -> the user message
+    max_tokens: int  # every answer's length
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "system": self.system,
+            "conversations": self.conversations,
+            "max_tokens": self.max_tokens,
+        }
+
+    def sha256(self) -> str:
+        return hashlib.sha256(canonical_json(self.to_dict()).encode("ascii")).hexdigest()
+
+    @property
+    def turns(self) -> int:
+        return max(len(c) for c in self.conversations)
+
+    @property
+    def max_seq_len(self) -> int:
+        """The longest request: a conversation's last turn with its answer."""
+        return max(
+            len(self.system) + sum(len(u) for u in turns) + self.max_tokens * len(turns)
+            for turns in self.conversations
+        )
+
+    def cut(self, conversations: int | None, turns: int | None, system: int | None) -> AgentTrace:
+        """The first `conversations`, each cut to its first `turns`, the system prompt to its
+        first `system` tokens (None: all of it)."""
+        return AgentTrace(
+            self.system[:system],
+            [c[:turns] for c in self.conversations[:conversations]],
+            self.max_tokens,
+        )
+
+    def describe(self) -> dict[str, Any]:
+        lengths = [[len(u) for u in c] for c in self.conversations]
+        return {
+            "sha256": self.sha256(),
+            "system_tokens": len(self.system),
+            "conversations": len(self.conversations),
+            "turns": self.turns,
+            "max_tokens": self.max_tokens,
+            "user_message_tokens": lengths,
+            "max_seq_len": self.max_seq_len,
+        }
+
+
+def make_agent_trace(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
+    """A new trace file's contents: ids drawn uniformly from the model's ordinary ids, the
+    system prompt from --seed, the user messages (lengths uniform in --user-tokens) from
+    --seed + 1."""
+    low, high = args.user_tokens
+    system = make_trace(
+        args.seed, 1, (args.system_tokens,) * 2, (1, 1), model.token_ids, model.excluded_ids
+    ).prompts[0]
+    messages = make_trace(
+        args.seed + 1,
+        args.conversations * args.turns,
+        (low, high),
+        (1, 1),
+        model.token_ids,
+        model.excluded_ids,
+    ).prompts
+    conversations = [
+        messages[c * args.turns : (c + 1) * args.turns] for c in range(args.conversations)
+    ]
+    return {
+        "schema": TRACE_SCHEMA,
+        "about": "an agent-like trace for bench-prefix-cache: a system prompt shared by every "
+        "conversation; per conversation, the new user message of each turn (token ids). Each "
+        "turn's prompt is the system prompt, then every earlier user message followed by the "
+        "server's own answer to it, then the turn's user message.",
+        "generator": {
+            "seed": args.seed,
+            "token_ids": list(model.token_ids),
+            "excluded_ids": model.excluded_ids,
+            "system_tokens": args.system_tokens,
+            "conversations": args.conversations,
+            "turns": args.turns,
+            "user_tokens": [low, high],
+            "model": model.name,
+            "command": f"python benches/prefix_cache.py --write-trace PATH --model {model.name} "
+            f"--seed {args.seed} --system-tokens {args.system_tokens} --conversations "
+            f"{args.conversations} --turns {args.turns} --user-tokens {low} {high} "
+            f"--max-tokens {args.max_tokens}",
+        },
+        "max_tokens": args.max_tokens,
+        "system": system,
+        "conversations": conversations,
+    }
+
+
+def trace_file_text(data: dict[str, Any]) -> str:
+    """JSON with one line per id list, so that a diff of the file stays readable."""
+    ids = lambda xs: json.dumps(xs, separators=(",", ":"))
+    head = {k: v for k, v in data.items() if k not in ("system", "conversations")}
+    lines = ["{"]
+    for key, value in head.items():
+        lines.append(f"  {json.dumps(key)}: {json.dumps(value, sort_keys=True)},")
+    lines.append(f'  "system": {ids(data["system"])},')
+    lines.append('  "conversations": [')
+    for c, turns in enumerate(data["conversations"]):
+        lines.append("    [")
+        lines += [f"      {ids(u)}{',' if t + 1 < len(turns) else ''}" for t, u in enumerate(turns)]
+        lines.append("    ]" + ("," if c + 1 < len(data["conversations"]) else ""))
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def read_trace(path: Path) -> tuple[AgentTrace, dict[str, Any], str]:
+    """The trace in a file, the file's other fields, and the SHA-256 of its bytes."""
+    try:
+        raw = path.read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read the trace {path}: {e}") from None
+    if not isinstance(data, dict) or data.get("schema") != TRACE_SCHEMA:
+        raise TraceError(f"{path} is not a trace of schema {TRACE_SCHEMA}")
+    ok_ids = lambda xs: isinstance(xs, list) and xs and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in xs
+    )  # fmt: skip
+    conversations = data.get("conversations")
+    if not ok_ids(data.get("system")):
+        raise TraceError(f"{path}: 'system' must be a non-empty list of token ids")
+    if not isinstance(conversations, list) or not conversations:
+        raise TraceError(f"{path}: 'conversations' must be a non-empty list")
+    for c, turns in enumerate(conversations):
+        if not isinstance(turns, list) or not turns or not all(ok_ids(u) for u in turns):
+            raise TraceError(
+                f"{path}: conversation {c} must be a non-empty list of user messages, each a "
+                "non-empty list of token ids"
+            )
+    max_tokens = data.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise TraceError(f"{path}: 'max_tokens' must be an integer >= 1")
+    trace = AgentTrace(data["system"], conversations, max_tokens)
+    other = {k: v for k, v in data.items() if k not in ("system", "conversations")}
+    return trace, other, hashlib.sha256(raw).hexdigest()
+
+
+# --- one mode, in its own process ----------------------------------------------------------
+
+
+class WrongOutput(RuntimeError):
+    """A mode did not generate exactly max_tokens tokens for a request."""
+
+
+def warmup_trace(model: BenchModel, trace: AgentTrace) -> AgentTrace:
+    """The warm-up: one conversation of two short turns, ids of its own (drawn from another
+    seed), so that the second turn goes through a cache hit too."""
+    n = min(WARMUP_PROMPT_TOKENS, len(trace.system))
+    ids = make_trace(
+        WARMUP_SEED, 1, (n + 40,) * 2, (1, 1), model.token_ids, model.excluded_ids
+    ).prompts[0]
+    return AgentTrace(ids[: n - 8] or ids[:1], [[ids[n - 8 : n], ids[n:]]], 2)
+
+
+class Requests:
+    """Every request of a run, in the order they arrived, and the clock of the run."""
+
+    def __init__(self, trace: AgentTrace, clock: Callable[[], float]):
+        self.trace, self.clock = trace, clock
+        self.history = [list(trace.system) for _ in trace.conversations]  # sent and answered
+        self.records: list[dict[str, Any]] = []
+        self.t0 = clock()
+
+    def now(self) -> float:
+        return self.clock() - self.t0
+
+    def next_prompt(self, conversation: int, turn: int) -> tuple[dict[str, Any], list[int]]:
+        """The record and prompt of a conversation's turn (from 0), arriving now."""
+        prompt = self.history[conversation] + self.trace.conversations[conversation][turn]
+        self.history[conversation] = prompt
+        record = {
+            "conversation": conversation,
+            "turn": turn + 1,
+            "prompt_tokens": len(prompt),
+            "cached_tokens": None,
+            "prefill_tokens": None,
+            "arrival_s": self.now(),
+            "start_s": None,  # admitted (engine) or taken up (mlx-lm)
+            "first_token_s": None,
+            "finish_s": None,
+            "token_ids": [],
+            "text": "",
+        }
+        self.records.append(record)
+        return record, prompt
+
+    def answered(self, record: dict[str, Any]) -> int | None:
+        """Record the end of a request; the turn (from 0) that comes next, or None."""
+        record["finish_s"] = self.now()
+        if len(record["token_ids"]) != self.trace.max_tokens:
+            raise WrongOutput(
+                f"conversation {record['conversation']} turn {record['turn']}: "
+                f"{len(record['token_ids'])} tokens generated, max_tokens is "
+                f"{self.trace.max_tokens} (EOS ignored)"
+            )
+        conversation = record["conversation"]
+        self.history[conversation] += record["token_ids"]
+        later = record["turn"] < len(self.trace.conversations[conversation])
+        return record["turn"] if later else None
+
+    def progress(self, mode: str, record: dict[str, Any]) -> None:
+        done = sum(r["finish_s"] is not None for r in self.records)
+        total = sum(len(c) for c in self.trace.conversations)
+        log(
+            f"  {mode:>6} [{done:>3}/{total}] conversation {record['conversation']} turn "
+            f"{record['turn']}: prompt {record['prompt_tokens']:>5}, cached "
+            f"{record['cached_tokens']:>5}, TTFT {record['first_token_s'] - record['arrival_s']:7.2f} s,"
+            f" done at {record['finish_s']:7.1f} s"
+        )
+
+
+def serve_engine(
+    api, model, tokenizer, trace: AgentTrace, spec: dict, prefix_cache: bool, quiet=False
+):
+    """The trace, closed-loop, through the solution's Engine on fresh paged pools. Returns
+    (records, what the pools and the engine counted)."""
+    s = spec["settings"]
+    kwargs = {"read_in_place": True} if s["read_in_place"] else {}
+    if prefix_cache:  # a solution before Week 4 Day 4 has no such keyword
+        kwargs["prefix_cache"] = True
+    pools = model.create_kv_pools(s["page_size"], None, **kwargs)
+    by_id: dict[int, dict[str, Any]] = {}
+
+    def on_step(step) -> None:
+        if step.kind == "admit" and step.request is not None:
+            record = by_id.get(step.request.prompt_idx)
+            if record is not None and record["start_s"] is None:
+                record["start_s"] = requests.now()
+
+    engine = api.Engine(
+        model, tokenizer, max_seq_len=trace.max_seq_len, batch_size=s["batch_size"],
+        prefill_step=s["prefill_step"], pools=pools, policy=s["policy"], on_step=on_step,
+    )  # fmt: skip
+    params = api.SamplingParams(max_tokens=trace.max_tokens, ignore_eos=True)
+    requests = Requests(trace, time.perf_counter)  # t = 0: every first turn arrives
+
+    def add(conversation: int, turn: int) -> None:
+        record, prompt = requests.next_prompt(conversation, turn)
+        by_id[engine.add_request(prompt, params)] = record
+
+    for c in range(len(trace.conversations)):
+        add(c, 0)
+    while engine.has_work:
+        outputs = engine.step()
+        now = requests.now()
+        for out in outputs:
+            record = by_id[out.request_id]
+            if out.token_ids and record["first_token_s"] is None:
+                record["first_token_s"] = now
+            record["token_ids"] += out.token_ids
+            record["text"] += out.text
+            if out.finish_reason is not None:
+                record["cached_tokens"] = out.cached_tokens
+                record["prefill_tokens"] = out.prompt_tokens - out.cached_tokens
+                following = requests.answered(record)
+                if not quiet:
+                    requests.progress("on" if prefix_cache else "off", record)
+                if following is not None:
+                    add(record["conversation"], following)
+    stats = engine.stats()
+    pool = pools[0]
+    counts = {
+        "prefill_tokens": stats["prompt_tokens_prefilled"],
+        "cached_tokens": stats.get("prompt_tokens_cached"),
+        "decoded_tokens": stats["tokens_decoded"],
+        "preemptions": stats["preemptions"],
+        "peak_pages": pool.peak_in_use,
+        "pages_created": pool.num_pages,
+        "pages_cached_end": stats.get("pages_cached"),
+        "pages_in_use_end": stats["pages_in_use"],
+        "evictions": getattr(pool, "evictions", None),
+    }
+    return requests.records, counts
+
+
+class IdsOnlyTokenizer:
+    """What mlx-lm's TokenizerWrapper and its naive detokenizer use of a Hugging Face
+    tokenizer, for prompts that are token ids already: no vocabulary (so no thinking tokens),
+    no chat template, no EOS of its own, and every id decodes to no text."""
+
+    chat_template = None
+    eos_token_id = None
+    clean_up_tokenization_spaces = False
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""
+
+
+def serve_mlx_lm(model, trace: AgentTrace, quiet=False):
+    """The trace, closed-loop, through mlx-lm one request at a time, as mlx_lm.server's
+    unbatched path serves it: the nearest cached prefix from its LRUPromptCache (a deep copy,
+    trimmed when it came from a longer prompt), stream_generate over the rest of the prompt
+    with that cache, then the cache inserted back under prompt + answer. Requests are taken
+    up in the order they arrive. Returns (records, what the prompt cache held at the end)."""
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    tokenizer = TokenizerWrapper(IdsOnlyTokenizer(), eos_token_ids=[])  # EOS ignored
+    store = LRUPromptCache()  # mlx_lm.server's default size (--prompt-cache-size 10)
+    requests = Requests(trace, time.perf_counter)
+    queue = deque(requests.next_prompt(c, 0) for c in range(len(trace.conversations)))
+    while queue:
+        record, prompt = queue.popleft()
+        record["start_s"] = requests.now()
+        cache, rest = store.fetch_nearest_cache(MLX_LM_MODEL_KEY, prompt)
+        if not rest:
+            raise RuntimeError("a prompt of the trace was cached whole: nothing to prefill")
+        record["cached_tokens"] = len(prompt) - len(rest)
+        record["prefill_tokens"] = len(rest)
+        if cache is None:
+            cache = make_prompt_cache(model)
+        key = list(prompt)
+        for response in stream_generate(
+            model, tokenizer, rest, max_tokens=trace.max_tokens, prompt_cache=cache
+        ):
+            if record["first_token_s"] is None:
+                record["first_token_s"] = requests.now()
+            record["token_ids"].append(response.token)
+            key.append(response.token)
+            if response.finish_reason is not None:
+                break
+        following = requests.answered(record)
+        store.insert_cache(MLX_LM_MODEL_KEY, key, cache)
+        if not quiet:
+            requests.progress("mlx-lm", record)
+        if following is not None:
+            queue.append(requests.next_prompt(record["conversation"], following))
+    records = requests.records
+    counts = {
+        "prefill_tokens": sum(r["prefill_tokens"] for r in records),
+        "cached_tokens": sum(r["cached_tokens"] for r in records),
+        "prompt_cache_entries_end": len(store),
+        "prompt_cache_bytes_end": store.nbytes,
+    }
+    return records, counts
+
+
+def child_main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    solution = spec["settings"]["solution"]
+    try:
+        result = measure_one(spec)
+    except NotImplementedError as e:
+        print(unfinished_message(solution, e), file=sys.stderr)
+        return EXIT_REPORTED
+    except CheckpointError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_REPORTED
+    except WrongOutput as e:
+        print(f"error: mode {spec['mode']}: {e}", file=sys.stderr)
+        return EXIT_REPORTED
+    write_json(spec["output"], result)
+    return 0
+
+
+def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
+    """Load the model, warm up on throwaway caches, serve the trace once; the run's result."""
+    t0 = time.perf_counter()
+    s, mode = spec["settings"], spec["mode"]
+    device = choose_device(s["device"])
+    trace = AgentTrace(**spec["trace"])
+    if trace.sha256() != spec["trace_sha256"]:
+        raise RuntimeError("the trace handed to this process does not match its SHA-256")
+    bench_model = BenchModel.from_dict(spec["model"])
+    ckpt = bench_model.load(s["dtype"])
+    mx.eval(list(ckpt.weights.values()))  # mx.load is lazy: read the weights now, not in a run
+    warm = warmup_trace(bench_model, trace)
+    if mode == "mlx-lm":
+        model = mlx_lm_qwen3(ckpt)
+        run = lambda t, quiet=False: serve_mlx_lm(model, t, quiet)
+    else:
+        api = load_solution(s["solution"])
+        longest = max(trace.max_seq_len, warm.max_seq_len)
+        model = api.Qwen3Model(ckpt, max_seq_len=longest)
+        tokenizer = ckpt.tokenizer or NoTextTokenizer()
+        run = lambda t, quiet=False: serve_engine(
+            api, model, tokenizer, t, spec, mode == "on", quiet
+        )
+    load_s = time.perf_counter() - t0
+    t = time.perf_counter()
+    run(warm, quiet=True)  # on caches of its own
+    warmup_s = time.perf_counter() - t
+    mx.clear_cache()
+    mx.reset_peak_memory()
+    records, counts = run(trace)
+    return {
+        "mode": mode,
+        "repeat": spec["repeat"],
+        "order": spec["order"],
+        "sequence": spec["sequence"],
+        "pid": os.getpid(),
+        "device": device,
+        "blas": {**blas_info(), "openblas_core": openblas_core()},
+        "load_s": load_s,
+        "warmup_s": warmup_s,
+        "peak_memory_bytes": mx.get_peak_memory(),
+        "metrics": run_metrics(records, counts),
+        "counts": counts,
+        "requests": records,
+    }
+
+
+def openblas_core() -> str | None:
+    """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
+    OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's
+    0.3.21 chose "Prescott" on a Xeon with AVX-512, fp32 matmul about 5x slower than with
+    OPENBLAS_CORETYPE=SkylakeX)."""
+    import ctypes
+
+    try:
+        corename = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return None
+    corename.restype = ctypes.c_char_p
+    name = corename()
+    return name.decode() if name else None
+
+
+def probe_openblas_core(env: dict[str, str], library: str | None) -> str | None:
+    """The kernels the preloaded OpenBLAS would pick in the runs (a short process of its own,
+    with the runs' environment); None where nothing is preloaded."""
+    if library is None:
+        return None
+    code = (
+        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+        "f.restype = ctypes.c_char_p; print(f().decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, library], env=env, capture_output=True, text=True
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+# --- numbers of one run ---------------------------------------------------------------------
+
+
+def _ttft(records: Sequence[dict[str, Any]]) -> list[float]:
+    return [r["first_token_s"] - r["arrival_s"] for r in records]
+
+
+def _ms(values: Sequence[float], q: float) -> float | None:
+    p = percentile(values, q)
+    return None if p is None else p * 1000
+
+
+def run_metrics(records: list[dict[str, Any]], counts: dict[str, Any]) -> dict[str, Any]:
+    """The run's scalar numbers (times in ms unless named _s) and its per-turn lists."""
+    first = [r for r in records if r["turn"] == 1]
+    later = [r for r in records if r["turn"] > 1]
+    turns = max(r["turn"] for r in records)
+    wall = max(r["finish_s"] for r in records)
+    generated = sum(len(r["token_ids"]) for r in records)
+    prompt = sum(r["prompt_tokens"] for r in records)
+    by_turn = [[r for r in records if r["turn"] == t] for t in range(1, turns + 1)]
+    return {
+        "requests": len(records),
+        "wall_s": wall,
+        "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall,
+        "prompt_tokens": prompt,
+        "prefill_tokens": counts["prefill_tokens"],
+        "cached_tokens": counts["cached_tokens"],
+        "prefill_fraction": counts["prefill_tokens"] / prompt,
+        "ttft_turn1_ms_p50": _ms(_ttft(first), 50),
+        "ttft_turn1_ms_p95": _ms(_ttft(first), 95),
+        "ttft_later_ms_p50": _ms(_ttft(later), 50),
+        "ttft_later_ms_p95": _ms(_ttft(later), 95),
+        "wait_later_ms_p50": _ms([r["start_s"] - r["arrival_s"] for r in later], 50),
+        "peak_pages": counts.get("peak_pages"),
+        "by_turn": {
+            "ttft_ms_p50": [_ms(_ttft(rs), 50) for rs in by_turn],
+            "ttft_ms_p95": [_ms(_ttft(rs), 95) for rs in by_turn],
+            "prompt_tokens": [sum(r["prompt_tokens"] for r in rs) for rs in by_turn],
+            "prefill_tokens": [sum(r["prefill_tokens"] for r in rs) for rs in by_turn],
+        },
+    }
+
+
+SCALARS = (
+    "wall_s",
+    "generated_tokens",
+    "generated_tokens_per_s",
+    "prompt_tokens",
+    "prefill_tokens",
+    "cached_tokens",
+    "prefill_fraction",
+    "ttft_turn1_ms_p50",
+    "ttft_turn1_ms_p95",
+    "ttft_later_ms_p50",
+    "ttft_later_ms_p95",
+    "wait_later_ms_p50",
+    "peak_pages",
+)
+
+
+# --- the parent: plan, launch, aggregate, report -------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bench-prefix-cache",
+        description="Prefix caching on an agent-like trace: the engine with and without it, "
+        "and mlx-lm's prompt cache. Each (mode, repeat) runs in a fresh process.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m = add_model_arguments(p, default_model="qwen3-0.6b")
+    for action in m._group_actions:
+        if action.dest == "num_layers":
+            action.help += (
+                f"; default: {DEFAULT_LAYERS} for a shortcut with an embedded config, "
+                "all of them otherwise"
+            )
+    t = p.add_argument_group("trace")
+    t.add_argument(
+        "--trace", type=Path, default=DEFAULT_TRACE,
+        help="the trace file; the committed one is checked against its SHA-256",
+    )  # fmt: skip
+    t.add_argument(
+        "--conversations", type=int_at_least(1), default=None,
+        help="use the first N conversations (default all); with --write-trace: how many (8)",
+    )  # fmt: skip
+    t.add_argument(
+        "--turns", type=int_at_least(1), default=None,
+        help="use each conversation's first N turns (default all); with --write-trace: 4",
+    )  # fmt: skip
+    t.add_argument(
+        "--system-tokens", type=int_at_least(1), default=None,
+        help="use the system prompt's first N tokens (default all); with --write-trace: 1024",
+    )  # fmt: skip
+    t.add_argument(
+        "--max-tokens", type=int_at_least(1), default=None,
+        help="tokens per answer (default: the trace's); with --write-trace: 16",
+    )  # fmt: skip
+    t.add_argument(
+        "--write-trace", type=Path, default=None, metavar="PATH",
+        help="write a new trace for --model's ordinary token ids and exit",
+    )  # fmt: skip
+    t.add_argument(
+        "--user-tokens", type=int_at_least(1), nargs=2, default=[32, 64], metavar=("MIN", "MAX"),
+        help="with --write-trace: user message lengths, uniform in [MIN, MAX]",
+    )  # fmt: skip
+    t.add_argument(
+        "--seed", type=int_at_least(0), default=0, help="random weights (and a new trace)"
+    )
+    e = p.add_argument_group("engine")
+    e.add_argument(
+        "--policy", choices=("hybrid", "alternate"), default="hybrid",
+        help="the scheduler of both engine modes (Week 3 Days 2 and 4)",
+    )  # fmt: skip
+    e.add_argument(
+        "--page-size", type=int_at_least(1), default=16,
+        help="tokens per page, in both engine modes (only full pages are shared)",
+    )  # fmt: skip
+    e.add_argument("--batch-size", type=int_at_least(1), default=8, help="decode slots")
+    e.add_argument(
+        "--prefill-step", type=int_at_least(1), default=128,
+        help="prompt tokens per iteration (hybrid: decode rows included)",
+    )  # fmt: skip
+    e.add_argument(
+        "--read-in-place", action="store_true", help="pages read in place (Week 3 Day 5)"
+    )
+    r = p.add_argument_group("runs and output")
+    r.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES),
+        help="off: engine on plain pools; on: engine with prefix_cache=True; mlx-lm: its "
+        "prompt cache, one request at a time",
+    )  # fmt: skip
+    r.add_argument(
+        "--repeats", type=int_at_least(1), default=1,
+        help="processes per mode; every other repeat runs the modes in reverse order",
+    )  # fmt: skip
+    r.add_argument(
+        "--json-output", type=Path, default=None,
+        help="default: benches/results/prefix-cache-<model>-<layers>layers-<os>-<arch>-<N>cpu.json",
+    )  # fmt: skip
+    r.add_argument("--plot-output", type=Path, default=None, help="default: the JSON with .png")
+    r.add_argument("--no-plot", action="store_true")
+    p.add_argument("--child-spec", help=argparse.SUPPRESS)
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
+    """Every check that needs no weights; errors exit through argparse before any run."""
+    if args.num_layers is None and args.model.lower() in EMBEDDED_CONFIGS:
+        args.num_layers = DEFAULT_LAYERS
+    if args.user_tokens[0] > args.user_tokens[1]:
+        p.error(f"--user-tokens: MIN {args.user_tokens[0]} > MAX {args.user_tokens[1]}")
+    if len(set(args.modes)) != len(args.modes):
+        p.error("--modes lists a mode more than once")
+    if args.write_trace is None and args.user_tokens != [32, 64]:
+        p.error("--user-tokens only applies with --write-trace")
+    return bench_model_from_args(p, args)
+
+
+def load_trace(p: argparse.ArgumentParser, args, model: BenchModel) -> tuple[AgentTrace, dict]:
+    """The trace to serve (the file's, cut as asked) and what the report says of the file."""
+    try:
+        full, other, file_sha = read_trace(args.trace)
+    except TraceError as e:
+        p.error(str(e))
+    default = args.trace.resolve() == DEFAULT_TRACE
+    if default and file_sha != DEFAULT_TRACE_SHA256:
+        p.error(
+            f"{args.trace} has SHA-256 {file_sha}, the committed trace has "
+            f"{DEFAULT_TRACE_SHA256}: the trace file changed (regenerate it with --write-trace "
+            "and update DEFAULT_TRACE_SHA256 together)"
+        )
+    trace = full.cut(args.conversations, args.turns, args.system_tokens)
+    if args.max_tokens is not None:
+        trace.max_tokens = args.max_tokens
+    vocab = int(model.config["vocab_size"])
+    high = max([*trace.system, *(t for c in trace.conversations for u in c for t in u)])
+    if high >= vocab:
+        p.error(
+            f"the trace has token id {high}, outside the vocabulary of {model.name} "
+            f"({vocab} ids); make a trace for it with --write-trace"
+        )
+    limit = int(model.config["max_position_embeddings"])
+    if trace.max_seq_len > limit:
+        p.error(f"the trace's longest request ({trace.max_seq_len} tokens) exceeds {limit}")
+    about = {
+        "path": _relative(args.trace),
+        "file_sha256": file_sha,
+        "is_committed_trace": default,
+        "file": {k: v for k, v in other.items() if k != "about"},
+        "file_shape": {
+            "system_tokens": len(full.system),
+            "conversations": len(full.conversations),
+            "turns": full.turns,
+            "max_tokens": full.max_tokens,
+        },
+        "used": trace.describe(),
+    }
+    return trace, about
+
+
+def plan_runs(modes: Sequence[str], repeats: int) -> list[tuple[int, str, str]]:
+    """(repeat, order, mode) in launch order: repeat 0 forward, 1 reverse, 2 forward..."""
+    plan = []
+    for r in range(repeats):
+        order = "forward" if r % 2 == 0 else "reverse"
+        for mode in modes if order == "forward" else list(reversed(modes)):
+            plan.append((r, order, mode))
+    return plan
+
+
+def run_child(tmp: Path, k: int, total: int, env: dict[str, str], spec: dict) -> dict[str, Any]:
+    """One run in a fresh process: its result, with the time the whole process took."""
+    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
+    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
+    mode, repeat = spec["mode"], spec["repeat"]
+    log(f"[{k + 1}/{total}] mode {mode}, repeat {repeat + 1} ({spec['order']})")
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child-spec", str(spec_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
+    )
+    elapsed = time.perf_counter() - t
+    if proc.returncode == EXIT_REPORTED:
+        raise SystemExit(1)  # the run said what went wrong, on one line
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"run {k + 1}/{total} (mode {mode}, repeat {repeat + 1}) failed with exit status "
+            f"{proc.returncode}; its error is above"
+        )
+    run = json.loads(out_path.read_text())
+    run["process_s"] = elapsed
+    m = run["metrics"]
+    log(
+        f"[{k + 1}/{total}] mode {mode}: {elapsed:.1f} s in process (load {run['load_s']:.1f}, "
+        f"warm-up {run['warmup_s']:.1f}), run {m['wall_s']:.1f} s, prefilled "
+        f"{m['prefill_tokens']} of {m['prompt_tokens']} prompt tokens, TTFT p50 turn 1 "
+        f"{m['ttft_turn1_ms_p50']:.0f} ms, later {_fmt(m['ttft_later_ms_p50'])} ms, "
+        f"blas {run['blas']['blas']}, core {run['blas']['openblas_core']}"
+    )
+    return run
+
+
+def token_agreement(runs: list[dict[str, Any]]) -> None:
+    """Add to every run whether its generated ids equal those of the first cache-off run
+    (None without one), request by request, and where they first differ."""
+    base = next((r for r in runs if r["mode"] == "off"), None)
+    want = None if base is None else {(q["conversation"], q["turn"]): q for q in base["requests"]}
+    for run in runs:
+        if want is None:
+            run["agreement_with_off"] = None
+            continue
+        same, differ, first = 0, 0, None
+        for q in run["requests"]:
+            other = want.get((q["conversation"], q["turn"]))
+            if other is not None and other["token_ids"] == q["token_ids"]:
+                same += 1
+                continue
+            differ += 1
+            if first is None and other is not None:
+                at = next(
+                    (
+                        i
+                        for i, (a, b) in enumerate(zip(q["token_ids"], other["token_ids"]))
+                        if a != b
+                    ),
+                    None,
+                )
+                first = {"conversation": q["conversation"], "turn": q["turn"], "token": at}
+        texts = all(
+            want.get((q["conversation"], q["turn"]), {}).get("text") == q["text"]
+            for q in run["requests"]
+        )
+        run["agreement_with_off"] = {
+            "same_token_ids": differ == 0 and len(run["requests"]) == len(want),
+            "same_text": texts and len(run["requests"]) == len(want),
+            "requests_same": same,
+            "requests_different": differ,
+            "first_difference": first,
+        }
+
+
+def aggregate(runs: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, Any]:
+    """Per mode: the median over its runs of every scalar and per-turn number, min and max
+    of the scalars, and whether every run's ids equal cache-off's."""
+    out = {}
+    for mode in modes:
+        mine = [r for r in runs if r["mode"] == mode]
+        metrics = [r["metrics"] for r in mine]
+        turns = len(metrics[0]["by_turn"]["ttft_ms_p50"])
+        row: dict[str, Any] = {"runs": len(mine)}
+        row["median"] = {k: median(m[k] for m in metrics) for k in SCALARS}
+        row["min"] = {k: _extreme(min, (m[k] for m in metrics)) for k in SCALARS}
+        row["max"] = {k: _extreme(max, (m[k] for m in metrics)) for k in SCALARS}
+        row["by_turn_median"] = {
+            key: [median(m["by_turn"][key][t] for m in metrics) for t in range(turns)]
+            for key in metrics[0]["by_turn"]
+        }
+        agreements = [r["agreement_with_off"] for r in mine]
+        row["same_token_ids_as_off"] = (
+            None if None in agreements else all(a["same_token_ids"] for a in agreements)
+        )
+        row["same_text_as_off"] = (
+            None if None in agreements else all(a["same_text"] for a in agreements)
+        )
+        out[mode] = row
+    return out
+
+
+def _extreme(fn, values):
+    data = [v for v in values if v is not None]
+    return fn(data) if data else None
+
+
+def targets(modes: dict[str, Any]) -> dict[str, Any]:
+    """The issue's targets, cache on against cache off (None where a mode did not run)."""
+    if "off" not in modes or "on" not in modes:
+        return {"checked": False, "why": "needs both the off and the on mode"}
+    off, on = modes["off"]["median"], modes["on"]["median"]
+    fraction = on["prefill_tokens"] / off["prefill_tokens"]
+    speedup = (
+        off["ttft_later_ms_p50"] / on["ttft_later_ms_p50"]
+        if off["ttft_later_ms_p50"] is not None and on["ttft_later_ms_p50"]
+        else None
+    )
+    same = modes["on"]["same_token_ids_as_off"]
+    result = {
+        "checked": True,
+        "prefill_tokens_on_over_off": {
+            "value": fraction,
+            "at_most": TARGET_PREFILL_FRACTION,
+            "met": fraction <= TARGET_PREFILL_FRACTION,
+        },
+        "ttft_later_turns_p50_off_over_on": {
+            "value": speedup,
+            "at_least": TARGET_TTFT_SPEEDUP,
+            "met": speedup is not None and speedup >= TARGET_TTFT_SPEEDUP,
+        },
+        "generated_ids_on_equal_off": {"value": same, "met": bool(same)},
+    }
+    result["all_met"] = all(v["met"] for v in result.values() if isinstance(v, dict))
+    if "mlx-lm" in modes:  # reported beside the targets, not one of them
+        ml = modes["mlx-lm"]["median"]
+        result["mlx_lm_for_comparison"] = {
+            "prefill_tokens_over_off": ml["prefill_tokens"] / off["prefill_tokens"],
+            "ttft_later_turns_p50_over_on": (
+                ml["ttft_later_ms_p50"] / on["ttft_later_ms_p50"]
+                if ml["ttft_later_ms_p50"] is not None and on["ttft_later_ms_p50"]
+                else None
+            ),
+            "same_token_ids_as_off": modes["mlx-lm"]["same_token_ids_as_off"],
+        }
+    return result
+
+
+def default_json_path(model: BenchModel) -> Path:
+    name = Path(model.name).name if model.source in ("checkpoint", "config-file") else model.name
+    if name == "config.json":
+        name = Path(model.name).parent.name or "config"
+    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
+    system = platform.system().lower()
+    host = f"{system}-{platform.machine().lower()}-{os.cpu_count()}cpu"
+    return RESULTS / f"prefix-cache-{slug}-{model.num_layers}layers-{host}.json"
+
+
+def run_benchmark(args: argparse.Namespace, model: BenchModel, trace: AgentTrace, about: dict):
+    started = time.time()
+    env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
+    core = probe_openblas_core(env, preloaded) if preloaded else openblas_core()
+    plan = plan_runs(args.modes, args.repeats)
+    settings = {
+        "policy": args.policy,
+        "page_size": args.page_size,
+        "batch_size": args.batch_size,
+        "prefill_step": args.prefill_step,
+        "read_in_place": args.read_in_place,
+        "max_seq_len": trace.max_seq_len,
+        "dtype": args.dtype,
+        "device": args.device,
+        "solution": args.solution,
+    }
+    used = about["used"]
+    log(
+        f"model {model.name} ({model.source}, {model.num_layers} layers, "
+        f"{model.parameter_count() / 1e6:.1f}M parameters, "
+        f"{'random' if model.random_weights else 'checkpoint'} weights), {args.dtype} on "
+        f"{_device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
+    )
+    log(
+        f"trace {about['path']} (file sha256 {about['file_sha256'][:16]}...): system "
+        f"{used['system_tokens']} tokens, {used['conversations']} conversations x "
+        f"{used['turns']} turns, answers of {used['max_tokens']} tokens"
+    )
+    log(
+        f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}"
+    )
+    if core is not None:
+        log(f"OpenBLAS kernels for the runs: {core}")
+    if core in OLD_OPENBLAS_CORES:
+        log(
+            f"hint: OpenBLAS would run its {core} kernels, far slower than a CPU with AVX2 or "
+            "AVX-512 allows (an OpenBLAS older than the CPU does not know it): set "
+            "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
+        )
+    log(f"{len(plan)} runs: modes {args.modes} x {args.repeats} repeat(s)")
+    runs: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench-prefix-cache-") as tmp:
+        if model.random_weights:
+            t = time.perf_counter()
+            model.materialize(Path(tmp) / "weights", args.dtype)
+            log(f"random weights written in {time.perf_counter() - t:.1f} s")
+        common = {
+            "model": model.to_dict(),
+            "trace": trace.to_dict(),
+            "trace_sha256": trace.sha256(),
+            "settings": settings,
+        }
+        for k, (repeat, order, mode) in enumerate(plan):
+            spec = {**common, "mode": mode, "repeat": repeat, "order": order}
+            runs.append(run_child(Path(tmp), k, len(plan), env, spec))
+        model_description = model.describe()
+    token_agreement(runs)
+    modes = aggregate(runs, args.modes)
+    return {
+        "schema": SCHEMA,
+        "created_unix": started,
+        "duration_s": time.time() - started,
+        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
+        "arguments": _jsonable(vars(args)),
+        "host": host_info(),
+        "mlx": mlx_info(),
+        "device": runs[0]["device"] if runs else args.device,
+        "dtype": args.dtype,
+        "solution": SOLUTIONS[args.solution],
+        "blas": {
+            "parent": blas_info(),
+            "runs": sorted({run["blas"]["blas"] for run in runs}),
+            "openblas_core_probed": core,
+            "openblas_cores": sorted({c for run in runs if (c := run["blas"]["openblas_core"])}),
+            "preloaded_by_bench": preloaded,
+            "ld_preload": env.get("LD_PRELOAD"),
+        },
+        "environment": {
+            k: os.environ.get(k)
+            for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "LD_PRELOAD")
+        },
+        "model": model_description,
+        "trace": about,
+        "settings": settings,
+        "mlx_lm": mlx_lm_settings() if "mlx-lm" in args.modes else None,
+        "definitions": DEFINITIONS,
+        "plan": [{"repeat": r, "order": o, "mode": m} for r, o, m in plan],
+        "runs": runs,
+        "modes": modes,
+        "targets": targets(modes),
+    }
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    header = (
+        f"{'mode':>7} {'runs':>4} {'prefilled':>9} {'cached':>7} {'of prompt':>9} "
+        f"{'TTFT t1 p50':>11} {'p95':>8} {'TTFT t2+ p50':>12} {'p95':>8} {'wall s':>7} "
+        f"{'tok/s':>6} {'peak pg':>7} {'ids = off':>9}"
+    )
+    lines = [header]
+    for mode, row in report["modes"].items():
+        m = row["median"]
+        lines.append(
+            f"{mode:>7} {row['runs']:>4} {m['prefill_tokens']:>9.0f} {m['cached_tokens']:>7.0f} "
+            f"{m['prefill_fraction']:>9.1%} {_fmt(m['ttft_turn1_ms_p50']):>11} "
+            f"{_fmt(m['ttft_turn1_ms_p95']):>8} {_fmt(m['ttft_later_ms_p50']):>12} "
+            f"{_fmt(m['ttft_later_ms_p95']):>8} {m['wall_s']:>7.1f} "
+            f"{m['generated_tokens_per_s']:>6.2f} {_fmt(m['peak_pages']):>7} "
+            f"{str(row['same_token_ids_as_off']):>9}"
+        )
+    lines.append("(TTFT in ms, medians over runs; t2+: turns 2 and later)")
+    t = report["targets"]
+    if t.get("checked"):
+        for name in (
+            "prefill_tokens_on_over_off",
+            "ttft_later_turns_p50_off_over_on",
+            "generated_ids_on_equal_off",
+        ):
+            v = t[name]
+            bound = (
+                f" (at most {v['at_most']})" if "at_most" in v
+                else f" (at least {v['at_least']})" if "at_least" in v else ""
+            )  # fmt: skip
+            value = f"{v['value']:.3f}" if isinstance(v["value"], float) else str(v["value"])
+            lines.append(f"target {name}: {value}{bound}: {'met' if v['met'] else 'NOT met'}")
+    return "\n".join(lines)
+
+
+def plot(report: dict[str, Any], path: Path) -> Path | None:
+    """Left: p50 TTFT per turn (bars to p95) for each mode, log scale. Right: prompt tokens
+    computed per turn (all conversations), each mode beside the prompt tokens sent."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+        return None
+    modes = report["modes"]
+    colors = {"off": "tab:red", "on": "tab:green", "mlx-lm": "tab:blue"}
+    labels = {
+        "off": "engine, cache off",
+        "on": "engine, prefix cache",
+        "mlx-lm": "mlx-lm prompt cache",
+    }
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
+    for mode, row in modes.items():
+        p50 = row["by_turn_median"]["ttft_ms_p50"]
+        p95 = row["by_turn_median"]["ttft_ms_p95"]
+        turns = list(range(1, len(p50) + 1))
+        s50 = [v / 1000 for v in p50]
+        err = [[0] * len(p50), [(b - a) / 1000 for a, b in zip(p50, p95)]]
+        left.errorbar(
+            turns,
+            s50,
+            yerr=err,
+            fmt="o-",
+            capsize=3,
+            color=colors.get(mode),
+            label=labels.get(mode, mode),
+        )
+    left.set_yscale("log")
+    left.set_xlabel("turn")
+    left.set_xticks(turns)
+    left.set_ylabel("time to first token (s): p50, bar to p95")
+    left.set_title("TTFT per turn (a turn's clock starts on arrival)")
+    left.legend(fontsize=8, loc="best")
+    names = list(modes)
+    width = 0.8 / (len(names) + 1)
+    sent_by = "off" if "off" in modes else names[0]  # mlx-lm's own answers may differ
+    sent = modes[sent_by]["by_turn_median"]["prompt_tokens"]
+    xs = range(len(sent))
+    right.bar(
+        list(xs), sent, width=width, color="lightgray", label=f"prompt tokens sent ({sent_by})"
+    )
+    for i, mode in enumerate(names, start=1):
+        right.bar(
+            [x + i * width for x in xs],
+            modes[mode]["by_turn_median"]["prefill_tokens"],
+            width=width,
+            color=colors.get(mode),
+            label=f"computed: {labels.get(mode, mode)}",
+        )
+    right.set_xticks([x + width * len(names) / 2 for x in xs])
+    right.set_xticklabels([f"turn {x + 1}" for x in xs])
+    right.set_yscale("log")
+    right.set_ylim(top=max(sent) * 12)  # room for the legend above the bars
+    right.set_ylabel("prompt tokens, all conversations (log)")
+    right.set_title("prompt tokens prefilled per turn")
+    right.legend(fontsize=7, loc="upper center", ncol=2)
+    m = report["model"]
+    used = report["trace"]["used"]
+    fig.suptitle(
+        f"prefix caching: {m['name']} ({m['num_layers']} layers), {report['dtype']}, "
+        f"{used['conversations']} conversations x {used['turns']} turns, system "
+        f"{used['system_tokens']} tokens, policy {report['settings']['policy']}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def mlx_lm_settings() -> dict[str, Any]:
+    """How the mlx-lm mode serves: its version and the defaults it runs with."""
+    import inspect
+
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models.cache import LRUPromptCache
+
+    step = inspect.signature(generate_step).parameters["prefill_step_size"].default
+    return {
+        "version": _version("mlx-lm"),
+        "serving": "one request at a time, in arrival order: LRUPromptCache.fetch_nearest_cache, "
+        "stream_generate(prompt_cache=...) over the rest of the prompt, insert_cache(prompt + "
+        "answer); greedy, EOS ignored",
+        "prompt_cache_max_size": LRUPromptCache().max_size,
+        "prefill_step_size": step,
+    }
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0f}"
+
+
+def _version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def _relative(path: Path) -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def _device_name(requested: str) -> str:
+    return "gpu" if requested == "gpu" or (requested == "auto" and gpu_available()) else "cpu"
+
+
+def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items() if k != "child_spec"}
+
+
+def write_trace(args: argparse.Namespace, model: BenchModel) -> int:
+    args.conversations = args.conversations or 8
+    args.turns = args.turns or 4
+    args.system_tokens = args.system_tokens or 1024
+    args.max_tokens = args.max_tokens or 16
+    text = trace_file_text(make_agent_trace(args, model))
+    args.write_trace.parent.mkdir(parents=True, exist_ok=True)
+    args.write_trace.write_text(text, encoding="ascii")
+    sha = hashlib.sha256(text.encode("ascii")).hexdigest()
+    log(f"wrote {args.write_trace}: sha256 {sha}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.child_spec:
+        return child_main(args.child_spec)
+    model = check_args(parser, args)
+    if args.write_trace is not None:
+        return write_trace(args, model)
+    trace, about = load_trace(parser, args, model)
+    if args.dtype is None:
+        args.dtype = default_dtype(_device_name(args.device))
+    if args.json_output is None:
+        args.json_output = default_json_path(model)
+    if args.plot_output is None:
+        args.plot_output = args.json_output.with_suffix(".png")
+    report = run_benchmark(args, model, trace, about)
+    write_json(args.json_output, report)
+    log(f"wrote {args.json_output}")
+    if not args.no_plot and plot(report, args.plot_output):
+        log(f"wrote {args.plot_output}")
+    print(summary_table(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(startup.run(main))
