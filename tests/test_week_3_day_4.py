@@ -102,6 +102,19 @@ def test_ragged_pass_equals_each_request_alone(impl, model, tokenizer, kind, pad
         assert pool.num_in_use == 0
 
 
+def test_ragged_pass_returns_the_rows_asked_for(impl, model, tokenizer):
+    """rows=[...]: the logits of those rows, each equal to the model's own row at that place."""
+    ids = tokenizer.encode(prompt_with_tokens(tokenizer, 20))
+    caches = [model.create_kv_cache(), model.create_kv_cache()]
+    segments = [impl.Segment(caches[0], 0, 5), impl.Segment(caches[1], 5, 3)]
+    logits = impl.forward_ragged(model, mx.array([ids[:5] + ids[10:13]]), segments, rows=[1, 4, 5])
+    assert logits.shape == (1, 3, model.config.vocab_size), "one logits row per asked row"
+    alone = [model(mx.array([ids[:5]]), 0, model.create_kv_cache())[0]]
+    alone.append(model(mx.array([ids[10:13]]), 0, model.create_kv_cache())[0])
+    for got, want, what in zip(logits[0], [alone[0][1], alone[0][4], alone[1][0]], [1, 4, 5]):
+        assert_close(got, want, f"row {what} of the ragged pass, asked for with rows=")
+
+
 def test_ragged_rows_attend_only_to_their_own_request(impl, model, tokenizer):
     """The same decode row next to different neighbours gives the same logits: no row may
     see another request's keys (a mask over the whole flattened batch would leak)."""

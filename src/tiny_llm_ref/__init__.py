@@ -61,10 +61,26 @@ from .request import Request
 from .sampler import SamplingParams, keep_top_p, make_sampler, pick_tokens, sample_rows
 from .scheduler import BatchStep, Scheduler, decode_step
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
+from .speculative import (
+    DraftModel,
+    PromptLookup,
+    accept_greedy,
+    accept_sampled,
+    lookup,
+    sampling_probs,
+    speculative_step,
+)
 from .stall_free import Segment, forward_ragged, hybrid_step
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 __all__ = [
+    "DraftModel",
+    "PromptLookup",
+    "accept_greedy",
+    "accept_sampled",
+    "lookup",
+    "sampling_probs",
+    "speculative_step",
     "CachedPage",
     "TinyKvSharedPool",
     "TinyKvSharedQuantizedPool",

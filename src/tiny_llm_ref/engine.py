@@ -26,6 +26,7 @@ from .request import Request, prompt_tokens
 from .sampler import SamplingParams
 from .scheduler import BatchStep, Scheduler
 from .shape_stable import Ladder, query_ladder
+from .speculative import DraftModel, PromptLookup, speculative_step
 from .stall_free import hybrid_step
 
 POLICIES = ("alternate", "hybrid")
@@ -93,10 +94,17 @@ class Engine:
         policy: str = "alternate",
         query_padding: bool | Ladder | None = None,
         on_step: Callable[[BatchStep], None] | None = None,
+        speculative: PromptLookup | DraftModel | None = None,
     ):
         check_limits(max_seq_len, batch_size, prefill_step)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
+        if speculative is not None and policy != "hybrid":
+            raise ValueError(
+                "speculative decoding checks a request's guesses as extra rows of the hybrid "
+                "policy's ragged pass (Week 3 Day 4): use policy='hybrid'"
+            )
+        self.speculative = speculative  # a proposer (Week 4 Day 5), or None
         self.model, self.tokenizer, self.pools = model, tokenizer, pools
         self.max_seq_len, self.prefill_step, self.policy = max_seq_len, prefill_step, policy
         self.query_padding, self.on_step = query_padding, on_step
@@ -176,7 +184,9 @@ class Engine:
         return outputs
 
     def iterate(self) -> None:
-        if self.policy == "hybrid":
+        if self.speculative is not None:
+            speculative_step(self.scheduler, self.prefill_step, self.speculative)
+        elif self.policy == "hybrid":
             hybrid_step(self.scheduler, self.prefill_step, self.ladder)
         else:
             self.scheduler.alternate_step()
@@ -274,6 +284,8 @@ class Engine:
             "pages_in_use": self.pools[0].num_in_use if self.pools else 0,
             "pages_cached": getattr(self.pools[0], "num_cached", 0) if self.pools else 0,
             "pages_free": None if free == math.inf else int(free),
+            "tokens_proposed": getattr(self.speculative, "proposed", 0),
+            "tokens_accepted": getattr(self.speculative, "accepted", 0),
             **self.counts,
         }
 
@@ -283,6 +295,8 @@ class Engine:
         for stream in self.streams.values():
             stream.request.release()
         self.streams.clear()
+        if self.speculative is not None:
+            self.speculative.forget(set())
 
 
 COUNTS = (

@@ -17,6 +17,7 @@ from .prefix_cache import register_full_pages, shares_prefix
 from .qwen3 import Qwen3Model
 from .sampler import SamplingParams, pick_tokens
 from .shape_stable import Ladder, query_ladder
+from .speculative import Draft
 
 
 class Request:
@@ -69,7 +70,10 @@ class Request:
         self.query_width = query_ladder(model, query_padding)
         self.pools = pools
         self.admitted = 0  # when the scheduler admitted it last (Week 3 Day 6)
-        self.sampler = (sampling or SamplingParams()).sampler()  # None: greedy (Week 4 Day 3)
+        self.params = sampling or SamplingParams()
+        self.sampler = self.params.sampler()  # None: greedy (Week 4 Day 3)
+        self.key = None if self.params.seed is None else mx.random.key(self.params.seed + 1)
+        self.draft = Draft([])  # the tokens a proposer guessed for this pass (Week 4 Day 5)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -188,6 +192,14 @@ class Request:
             self.is_done = True
             self.detokenizer.finalize()
         # END TASK
+
+    def next_key(self) -> mx.array | None:
+        """A fresh random key for one draw of speculative decoding's accept rule (Week 4
+        Day 5): from the request's own seed, or None (MLX's global generator) without one."""
+        if self.key is None:
+            return None
+        self.key, key = mx.random.split(self.key)
+        return key
 
     def text(self) -> str:
         return self.detokenizer.text

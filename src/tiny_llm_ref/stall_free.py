@@ -29,12 +29,15 @@ class Segment:
     length: int
 
 
-def forward_ragged(model, tokens: mx.array, segments: list[Segment]) -> mx.array:
+def forward_ragged(
+    model, tokens: mx.array, segments: list[Segment], rows: list[int] | None = None
+) -> mx.array:
     """tokens [1, T]: the segments' rows side by side, then any padding rows.
 
-    Returns the logits [1, len(segments), V] of each segment's last row. Padding rows (after
-    the last segment) take part in the token-parallel halves only: they attend to nothing,
-    are written to no cache, and their logits are never computed.
+    Returns the logits [1, len(segments), V] of each segment's last row, or with `rows` the
+    logits [1, len(rows), V] of those rows (Week 4 Day 5 checks every row of a draft). Padding
+    rows (after the last segment) take part in the token-parallel halves only: they attend to
+    nothing, are written to no cache, and their logits are never computed.
     """
     # BEGIN TASK Week 3 Day 4, Task 1: one forward pass over the rows of several requests
     t = tokens.shape[1]
@@ -54,33 +57,41 @@ def forward_ragged(model, tokens: mx.array, segments: list[Segment]) -> mx.array
         q, k, v = layer.before_attention(h, positions)  # [1, H(_kv), T, D]
         outs = []
         for seg, mask in zip(segments, masks):
-            rows = slice(seg.start, seg.start + seg.length)
+            own = slice(seg.start, seg.start + seg.length)  # the segment's rows
             outs.append(
-                layer.self_attn.attend(
-                    q[:, :, rows], k[:, :, rows], v[:, :, rows], seg.cache[i], mask
-                )
+                layer.self_attn.attend(q[:, :, own], k[:, :, own], v[:, :, own], seg.cache[i], mask)
             )
         outs.append(mx.zeros((1, q.shape[1], t - used, q.shape[3]), dtype=q.dtype))
         h = layer.after_attention(h, mx.concatenate(outs, axis=2))  # [1, T, E]
-    last = mx.array([seg.start + seg.length - 1 for seg in segments])
-    return linear(model.norm(h[:, last, :]), model.lm_head)  # [1, segments, V]
+    if rows is None:
+        rows = [seg.start + seg.length - 1 for seg in segments]  # each segment's last row
+    return linear(model.norm(h[:, mx.array(rows), :]), model.lm_head)  # [1, len(rows), V]
     # END TASK
 
 
-def plan_pass(scheduler, budget: int) -> tuple[list, list]:
+def plan_pass(scheduler, budget: int, propose=None) -> tuple[list, list]:
     """The requests that decode in this pass, and (request, tokens) chunks that fill what the
     budget leaves: first the prompt already being prefilled, then, while rows and free slots
     remain, newly admitted prompts, each taking its slot as it is admitted. With a bounded
     pool the decode rows get their pages first (preempting the newest requests if need be),
     and each chunk takes only pages that are still spare: free, and not already promised to
     a decode row or to an earlier chunk of this pass (nothing is allocated until the pass
-    runs, so the plan keeps the count)."""
+    runs, so the plan keeps the count).
+
+    propose(request, most) (Week 4 Day 5) gives each decoding request at most `most` proposed
+    tokens, kept in request.draft (a Draft): they join its row in the pass, so they take rows of the
+    budget and pages before any chunk does."""
     slots = scheduler.slots
     decoding = lambda: [r for r in slots if r is not None and r.is_prefill_done]
     decode_pages = lambda: sum(pages_for(r, 1) for r in decoding())
     make_room(scheduler, decode_pages)
     promised = decode_pages()  # pages the decode rows, then the chunks, will take
     room, chunks = budget - len(decoding()), []
+    for request in decoding() if propose is not None else []:
+        spare = free_pages(scheduler.pools) - promised + pages_for(request, 1)
+        request.draft = propose(request, max(0, min(room, tokens_that_fit(request, spare) - 1)))
+        room -= len(request.draft.tokens)
+        promised += pages_for(request, 1 + len(request.draft.tokens)) - pages_for(request, 1)
     prefilling = [r for r in slots if r is not None and not r.is_prefill_done]
     while room > 0:
         if prefilling:
