@@ -12,8 +12,10 @@ One thread loads the model and steps the engine; the HTTP handlers only queue wo
 (tiny_llm_support.server_engine). The endpoints and the wire format: tiny_llm_support.server and
 server_api. The scheduler flags are batch-main's (tiny_llm_support.batch_settings), except that
 the prefix cache (Week 4 Day 4) is on by default here whenever the pool is bounded (--max-pages);
---no-prefix-cache turns it off. Ctrl-C or SIGTERM stop it: requests in flight get an error, then
-it exits (130 after Ctrl-C, else 0).
+--no-prefix-cache turns it off. Speculative decoding (Week 4 Day 5) is serve's own:
+--speculative ngram (prompt lookup) or --speculative MODEL (a draft model, named as for --model),
+--num-draft-tokens K guesses (default 4); it runs the hybrid policy. Ctrl-C or SIGTERM stop it:
+requests in flight get an error, then it exits (130 after Ctrl-C, else 0).
 """
 
 from __future__ import annotations
@@ -87,20 +89,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_engine(args: argparse.Namespace, path, package) -> tuple:
+def build_engine(args: argparse.Namespace, path, package, draft_path=None) -> tuple:
     """(engine, tokenizer, config): runs on the engine thread, which owns MLX from the first
-    array on, the model's weights included."""
+    array on, the model's weights included. `draft_path`: the draft model's checkpoint."""
     device = choose_device(args.device)
     dtype = args.dtype or cli.default_dtype(device)
     ckpt = load_checkpoint(path, dtype=dtype)  # CheckpointError names the file and problem
     if ckpt.tokenizer is None:
         raise ValueError(f"{path} has no tokenizer.json")
     problem = settings.check_model(args, ckpt.config)
+    draft_ckpt = None
+    if draft_path is not None and not problem:
+        draft_ckpt = load_checkpoint(draft_path, dtype=dtype)
+        problem = settings.check_draft(args, ckpt.config, draft_ckpt.config)
     if problem:
         raise cli.UsageError(problem)
     model = settings.build_model(package, ckpt, args)
     pools = settings.make_pools(model, args)
     settings.check_solution(args, pools)  # Week 4 Day 4 missing: stop now, not at a request
+    proposer = settings.make_proposer(package, model, draft_ckpt, args)
+    if proposer is not None:  # Week 4 Day 5 missing: the same
+        settings.check_proposer(package, proposer, model, ckpt.tokenizer)
     engine = package.Engine(
         model,
         ckpt.tokenizer,
@@ -109,6 +118,7 @@ def build_engine(args: argparse.Namespace, path, package) -> tuple:
         prefill_step=args.prefill_step,
         pools=pools,
         policy=args.policy,
+        **settings.engine_keywords(proposer),
     )
     print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
     print(settings.describe(args))
@@ -120,6 +130,7 @@ def build_engine(args: argparse.Namespace, path, package) -> tuple:
 def run(args: argparse.Namespace) -> int:
     try:
         path = cli.model_path(args.model, args.cache_dir)
+        draft_path = settings.draft_path(args)  # one-line UsageError for an unknown draft
     except ValueError as e:
         raise cli.UsageError(str(e)) from e
     except ModelNotAvailableError as e:
@@ -134,7 +145,9 @@ def run(args: argparse.Namespace) -> int:
     loaded = {}  # what build() leaves for this thread besides the engine
 
     def build():
-        engine, loaded["tokenizer"], loaded["config"] = build_engine(args, path, package)
+        engine, loaded["tokenizer"], loaded["config"] = build_engine(
+            args, path, package, draft_path
+        )
         return engine
 
     service = EngineService(build, args.batch_size, args.max_waiting)

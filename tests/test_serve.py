@@ -738,3 +738,217 @@ def test_a_solution_without_the_prefix_cache_stops_at_start_up(tmp_path):
     assert "Week 4 Day 4, Task 1" in lines[0]
     assert lines[0].endswith("; --no-prefix-cache serves the pages without Week 4 Day 4")
     assert "serving" not in result.stdout
+
+
+# --- speculative decoding (Week 4 Day 5) ------------------------------------------------------------
+
+# Prompts whose answers tend to repeat their input, so that prompt lookup finds something to copy:
+# the chat questions, a completion that repeats a phrase, and the story with a question about it.
+SPEC_CHATS = QUESTIONS[:4]
+SPEC_TEXTS = [
+    "the cat sat on the mat, the cat sat on the mat, the cat sat on the",
+    STORY + ENDINGS[0],
+]
+SPEC_FLAGS = ["--speculative", "ngram", "--num-draft-tokens", "4"]
+
+
+@pytest.fixture(scope="module")
+def lookup_server(tmp_path_factory):
+    """Prompt lookup over the main server's bounded paged pool (prefix cache and all)."""
+    s = Server(tmp_path_factory.mktemp("serve-lookup"), *ENGINE_FLAGS, *PAGED_FLAGS, *SPEC_FLAGS)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def draft_server(tmp_path_factory):
+    """The tiny chat model as its own draft, dense caches, the default number of guesses."""
+    s = Server(tmp_path_factory.mktemp("serve-draft"), *ENGINE_FLAGS, "--speculative", MODEL)
+    yield s
+    s.stop()
+
+
+def assert_greedy_answers_as_without_speculation(s: Server, ref: Reference) -> None:
+    """Every SPEC prompt at once (their guesses checked in the same passes), each answer the
+    text the engine gives it alone without speculation."""
+    max_tokens = 40
+    jobs = [("chat", q, ref.chat_ids(q)) for q in SPEC_CHATS]
+    jobs += [("text", t, ref.tokenizer.encode(t)) for t in SPEC_TEXTS]
+    client = s.client()
+
+    def answer(job) -> tuple[str, str]:
+        kind, prompt, _ = job
+        if kind == "chat":
+            r = client.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": prompt}],
+                temperature=0,
+                max_tokens=max_tokens,
+            )
+            return r.choices[0].message.content, r.choices[0].finish_reason
+        r = client.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=max_tokens
+        )
+        return r.choices[0].text, r.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(len(jobs)) as pool:
+        got = list(pool.map(answer, jobs))
+    for (kind, prompt, ids), answer_ in zip(jobs, got):
+        assert answer_ == ref.run(ids, max_tokens)[:2], f"{kind} {prompt[:40]!r}"
+
+
+def spec_metrics(s: Server) -> tuple[float, float, float]:
+    """(proposed, accepted, rate) from /metrics, their types checked."""
+    text = request(s.port, "GET", "/metrics")[2].decode()
+    for name, kind in [
+        ("tiny_llm_spec_tokens_proposed_total", "counter"),
+        ("tiny_llm_spec_tokens_accepted_total", "counter"),
+        ("tiny_llm_spec_acceptance_rate", "gauge"),
+    ]:
+        assert re.search(rf"^# TYPE {name} {kind}$", text, re.M), name
+    m = s.metrics()
+    proposed = m["tiny_llm_spec_tokens_proposed_total"]
+    accepted = m["tiny_llm_spec_tokens_accepted_total"]
+    rate = m["tiny_llm_spec_acceptance_rate"]
+    assert 0 <= accepted <= proposed
+    assert rate == pytest.approx(accepted / proposed if proposed else 0, abs=1e-6)
+    return proposed, accepted, rate
+
+
+def test_prompt_lookup_answers_as_without_it(lookup_server, ref):
+    out = lookup_server.out.read_text()
+    assert "hybrid policy" in out  # --speculative brought the hybrid policy with it
+    assert "speculative decoding: prompt lookup, up to 4 guesses per request and pass" in out
+    assert spec_metrics(lookup_server)[0] == 0  # nothing guessed before any request
+    assert_greedy_answers_as_without_speculation(lookup_server, ref)
+    proposed, _, _ = spec_metrics(lookup_server)
+    assert proposed > 0
+    # sampling goes through the accept rule of Task 3: an answer, whatever it says
+    r = lookup_server.client().completions.create(
+        model=MODEL, prompt=SPEC_TEXTS[0], temperature=0.8, seed=1, max_tokens=12
+    )
+    assert r.choices[0].finish_reason in ("stop", "length") and r.usage.completion_tokens >= 1
+    assert lookup_server.metrics()["tiny_llm_kv_pages_in_use"] == 0  # the guesses' pages too
+
+
+def test_draft_model_answers_as_without_it(draft_server, ref):
+    assert "speculative decoding: draft model tiny, up to 4 guesses" in draft_server.out.read_text()
+    assert_greedy_answers_as_without_speculation(draft_server, ref)
+    proposed, accepted, _ = spec_metrics(draft_server)
+    assert proposed > 0 and accepted > 0  # a model agrees with itself (greedy)
+
+
+def test_no_speculation_counts_nothing(server):
+    assert spec_metrics(server) == (0, 0, 0)
+    assert "speculative" not in server.out.read_text()
+
+
+@pytest.mark.parametrize(
+    "flags, policy, k",
+    [
+        ([], "alternate", None),
+        (["--policy", "hybrid"], "hybrid", None),
+        (["--speculative", "ngram"], "hybrid", 4),  # the hybrid policy without asking
+        (["--speculative", "tiny", "--policy", "hybrid", "--num-draft-tokens", "2"], "hybrid", 2),
+    ],
+)
+def test_speculative_defaults(serve_module, flags, policy, k):
+    args = serve_module.parse_args(flags)
+    assert (args.policy, args.num_draft_tokens) == (policy, k)
+
+
+@pytest.mark.parametrize(
+    "flags, words",
+    [
+        (["--speculative", "ngram", "--policy", "alternate"], "drop --policy alternate"),
+        (
+            ["--speculative", "ngram", "--num-draft-tokens", "0"],
+            "argument --num-draft-tokens: expected an integer >= 1, got 0",
+        ),
+        (["--num-draft-tokens", "2"], "--num-draft-tokens is how many tokens --speculative"),
+        (["--speculative", ""], "argument --speculative: expected 'ngram' or a draft model"),
+    ],
+)
+def test_speculative_usage_errors(serve_module, capsys, flags, words):
+    with pytest.raises(SystemExit) as exit_:
+        serve_module.parse_args(flags)
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("serve: error: ") and words in last
+
+
+@pytest.mark.parametrize("draft", ["missing-dir", "no-such-model"])
+def test_unknown_draft_is_a_usage_error(serve_module, capsys, tmp_path, draft):
+    source = str(tmp_path / draft) if draft == "missing-dir" else draft
+    assert serve_module.main(["--port", "0", "--speculative", source]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: --speculative {source}: "), lines
+    assert ("not found" if draft == "missing-dir" else "unknown model") in lines[0]
+    assert "'ngram'" in lines[0]
+
+
+def test_draft_of_another_vocabulary_is_refused_at_start_up(tmp_path):
+    """tiny-random's tokenizer is not the tiny chat model's: stopped before serving."""
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", MODEL, "--port", "0"]
+        + ["--speculative", "tiny-random"],
+        cwd=ROOT,
+        env=offline_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vocabulary" in lines[0], lines
+    assert "'tiny-random' has a vocabulary of" in lines[0] and "'tiny' one of" in lines[0]
+    assert "serving" not in result.stdout
+
+
+def test_a_solution_without_speculation_stops_at_start_up(tmp_path):
+    """tiny_llm as the reference but with speculative.py as the skeleton has it: asked for
+    --speculative, the server stops before it listens, naming the task and saying it serves
+    without the flag."""
+    package = tmp_path / "student" / "tiny_llm"
+    shutil.copytree(ROOT / "src" / "tiny_llm_ref", package)
+    shutil.copy(ROOT / "src" / "tiny_llm" / "speculative.py", package / "speculative.py")
+    env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
+    flags = ["--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *SPEC_FLAGS]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--model", MODEL, *flags],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tiny_llm is not finished yet: "), lines
+    assert "Week 4 Day 5, Task 1" in lines[0]
+    assert lines[0].endswith("; without --speculative the server runs without Week 4 Day 5")
+    assert "serving" not in result.stdout
+
+
+@pytest.mark.parametrize(
+    "task", [None, "lookup", "accept_greedy", "accept_sampled", "keep_checked"]
+)
+def test_start_up_reaches_every_task_of_the_day(ref, monkeypatch, task):
+    """check_proposer calls each task a request would reach (here one at a time left unwritten)
+    and, when all are written, counts nothing."""
+    from tiny_llm_support import batch_settings
+
+    message = f"Week 4 Day 5: {task} is not written"
+    if task is not None:
+
+        def unwritten(*args, **kwargs):
+            raise NotImplementedError(message)
+
+        monkeypatch.setattr(tiny_llm_ref.speculative, task, unwritten)
+    proposer = tiny_llm_ref.PromptLookup(num_draft_tokens=4)
+    if task is None:
+        batch_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)
+        assert (proposer.proposed, proposer.accepted) == (0, 0)
+        return
+    with pytest.raises(NotImplementedError, match=message):
+        batch_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)

@@ -1,38 +1,51 @@
 """How batch-main and serve run the scheduler: the settings of Week 3 Days 3 to 6 and Week 4
-Day 4, from the command line to the model, the page pools and batch_generate's keywords, and the
-lines that describe them.
+Days 4 and 5, from the command line to the model, the page pools and batch_generate's keywords,
+and the lines that describe them.
 
     --compile             the blocks' token-parallel halves compiled (3.3); query padding on
     --policy hybrid       one forward pass per iteration: decode rows and prompt chunks (3.4)
     --max-pages N         a bounded paged KV pool (3.6), pages of --page-size tokens (2.2)
     --gather              read the pages by gathering them (2.2) instead of in place (3.5)
     --prefix-cache        full pages shared by content between prompts (4.4)
+    --speculative ngram|PATH, --num-draft-tokens K
+                          guesses checked in the decode pass (4.5; serve only)
 
 The prefix cache is off unless asked for in batch-main. serve turns it on by default for a
 bounded pool (--max-pages) and refuses it for an unbounded one: a cached page leaves the cache
 only when an allocation finds no free page, which never happens in a pool without a limit, so
 a server that runs for days would keep every page it ever filled.
 
+Speculative decoding is serve's alone (batch_generate takes no proposer). Its guesses are extra
+rows of the hybrid policy's pass, so --speculative brings --policy hybrid with it and refuses an
+explicit --policy alternate. `ngram` is prompt lookup; anything else names a draft model the way
+--model does, checked at start-up to share the model's vocabulary.
+
 Every check here runs before any model call; a setting a solution has not written yet stops
 with its task message when batch_generate reaches it (serve looks for the prefix cache's first
-task at start-up, see check_solution).
+task and for each of speculative decoding's tasks at start-up, see check_solution and
+check_proposer).
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
-from .cli import int_at_least
+from .cli import UsageError, int_at_least
+from .models import resolve_model
 
 POLICIES = ("alternate", "hybrid")
 DEFAULT_PAGE_SIZE = 16
+NGRAM = "ngram"  # --speculative's prompt lookup; any other value names a draft model
+DEFAULT_DRAFT_TOKENS = 4
+LOOKUP_NGRAM = 3  # the longest run of last tokens prompt lookup looks for
 
 
 def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
     """--compile, --policy, --max-pages, --page-size, --read-in-place / --gather and
     --prefix-cache / --no-prefix-cache. `serving`: serve's help text (the prefix cache's
-    default differs, see check_arguments)."""
+    default differs, see check_arguments), and --speculative with --num-draft-tokens."""
     g = p.add_argument_group("scheduler (Week 3 Days 3-6, Week 4 Day 4)")
     g.add_argument(
         "--compile",
@@ -42,9 +55,11 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument(
         "--policy",
         choices=POLICIES,
-        default="alternate",
+        # serve: None until check_arguments knows whether --speculative asks for hybrid
+        default=None if serving else "alternate",
         help="alternate: a prefill chunk, then a decode pass; hybrid: one pass holding every "
-        "decode row and prompt chunks, --prefill-step rows in all (3.4)",
+        "decode row and prompt chunks, --prefill-step rows in all (3.4)"
+        + ("; default: alternate, hybrid with --speculative" if serving else ""),
     )
     g.add_argument(
         "--max-pages",
@@ -84,6 +99,39 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
         help="share the KV pages of full prompt blocks by content, so a prompt that starts like "
         f"an earlier one skips that part of its prefill (4.4; needs pages; {default})",
     )
+    if serving:
+        add_speculative_arguments(p)
+
+
+def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
+    """--speculative and --num-draft-tokens (Week 4 Day 5)."""
+    g = p.add_argument_group("speculative decoding (Week 4 Day 5)")
+    g.add_argument(
+        "--speculative",
+        type=speculative_source,
+        default=None,
+        metavar="ngram|MODEL",
+        help=f"guess the next tokens and check them in the decode pass: '{NGRAM}' copies what "
+        "followed the last tokens where they occurred before in the prompt or answer; else a "
+        "draft model with the model's vocabulary, named as for --model (tiny, a shortcut, a "
+        "checkpoint directory); brings --policy hybrid (default: off)",
+    )
+    g.add_argument(
+        "--num-draft-tokens",
+        type=int_at_least(1),
+        default=None,
+        metavar="K",
+        help=f"guesses per request and pass, at most (default {DEFAULT_DRAFT_TOKENS}; "
+        "with --speculative)",
+    )
+
+
+def speculative_source(value: str) -> str:
+    """An argparse type: --speculative's value, not empty (an empty path would be the current
+    directory)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"expected '{NGRAM}' or a draft model, got {value!r}")
+    return value
 
 
 def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | None:
@@ -105,6 +153,10 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
             "--max-pages is never full: the server would keep every page it filled; add "
             "--max-pages N (or --no-prefix-cache)"
         )
+    if serving:
+        problem = check_speculative_arguments(args)
+        if problem:
+            return problem
     if args.prefix_cache is None:
         args.prefix_cache = serving and args.max_pages is not None
     if paged:
@@ -119,6 +171,62 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
                 f"--max-seq-len {args.max_seq_len} tokens ({pages} pages): give --max-pages "
                 f"{pages} or more, or a smaller --max-seq-len"
             )
+    return None
+
+
+def check_speculative_arguments(args: argparse.Namespace) -> str | None:
+    """serve's --speculative and --num-draft-tokens against --policy; fills in the policy
+    (hybrid with speculation, else alternate) and the number of guesses."""
+    if args.speculative is None:
+        if args.num_draft_tokens is not None:
+            return (
+                "--num-draft-tokens is how many tokens --speculative guesses: add --speculative "
+                f"{NGRAM} (or a draft model)"
+            )
+        args.policy = args.policy or "alternate"
+        return None
+    if args.policy == "alternate":
+        return (
+            "--speculative checks its guesses as extra rows of the hybrid policy's pass (Week 3 "
+            "Day 4), which --policy alternate does not run: drop --policy alternate "
+            "(--speculative uses --policy hybrid)"
+        )
+    args.policy = "hybrid"
+    args.num_draft_tokens = args.num_draft_tokens or DEFAULT_DRAFT_TOKENS
+    return None
+
+
+def draft_path(args: argparse.Namespace) -> Path | None:
+    """The draft model's checkpoint directory (downloaded if need be), or None without one
+    (no --speculative, or prompt lookup). An unknown name or a missing directory is a one-line
+    UsageError; weights neither cached nor downloadable raise ModelNotAvailableError."""
+    source = getattr(args, "speculative", None)
+    if source is None or source == NGRAM:
+        return None
+    try:
+        return resolve_model(source, cache_dir=getattr(args, "cache_dir", None))
+    except (ValueError, FileNotFoundError) as e:
+        raise UsageError(
+            f"--speculative {source}: {e} (it takes '{NGRAM}', or a draft model named as for "
+            "--model)"
+        ) from e
+
+
+def check_draft(args: argparse.Namespace, config: Any, draft_config: Any) -> str | None:
+    """What is wrong with the draft model (its config) beside this model's, or None."""
+    name = f"the draft model {args.speculative!r}"
+    if draft_config.vocab_size != config.vocab_size:
+        return (
+            f"{name} has a vocabulary of {draft_config.vocab_size} tokens and --model "
+            f"{args.model!r} one of {config.vocab_size}: a draft's guesses are the model's token "
+            "ids, so it must share the model's vocabulary (--speculative ngram needs no draft)"
+        )
+    limit = draft_config.max_position_embeddings
+    if args.max_seq_len > limit:
+        return (
+            f"--max-seq-len {args.max_seq_len} is more than {name}'s {limit} positions "
+            "(max_position_embeddings in its config.json)"
+        )
     return None
 
 
@@ -161,6 +269,50 @@ def check_solution(args: argparse.Namespace, pools: list | None) -> None:
         pools[0].lookup(-1, (0,) * pools[0].page_size)
 
 
+def make_proposer(package: Any, model: Any, draft_ckpt: Any, args: argparse.Namespace) -> Any:
+    """The solution's proposer for --speculative (Week 4 Day 5), or None without the flag:
+    PromptLookup for ngram, else DraftModel around the draft checkpoint (eager, with the
+    model's --max-seq-len)."""
+    if getattr(args, "speculative", None) is None:
+        return None
+    if not hasattr(package, "PromptLookup"):  # a copy of the course from before Week 4 Day 5
+        raise ValueError(
+            f"{package.__name__} has no PromptLookup or DraftModel: --speculative needs Week 4 "
+            "Day 5 (speculative.py)"
+        )
+    k = args.num_draft_tokens
+    if draft_ckpt is None:
+        return package.PromptLookup(num_draft_tokens=k, ngram=LOOKUP_NGRAM)
+    draft = package.Qwen3Model(draft_ckpt, max_seq_len=args.max_seq_len)
+    return package.DraftModel(draft, model, num_draft_tokens=k)
+
+
+def check_proposer(package: Any, proposer: Any, model: Any, tokenizer: Any) -> None:
+    """Reach each task of Week 4 Day 5 once, before any request, in the order a request
+    would: a solution that has not written one stops at start-up with its NotImplementedError
+    (unfinished_hint then says the server runs without --speculative). The inputs are the
+    smallest a pass can give (a two-token prompt, drafts of no guesses); the probe request is
+    released and nothing is counted."""
+    import mlx.core as mx
+
+    spec = package.speculative
+    probe = package.Request(model, tokenizer, [0, 0], prompt_idx=-1)  # greedy, dense caches
+    try:
+        proposer.propose(probe, 1)  # Task 1: prompt lookup or the draft model
+    finally:
+        proposer.forget(set())
+        probe.release()
+    spec.accept_greedy([0], [])  # Task 2
+    spec.accept_sampled(mx.array([[1.0]]), spec.Draft([]), lambda: mx.random.key(0))  # Task 3
+    spec.keep_checked([], mx.zeros((0, 1)), proposer)  # Task 4
+
+
+def engine_keywords(proposer: Any) -> dict[str, Any]:
+    """Engine's keywords for speculation: none without it, so that a solution from before Week
+    4 Day 5 still serves."""
+    return {} if proposer is None else {"speculative": proposer}
+
+
 def batch_keywords(args: argparse.Namespace, pools: list | None) -> dict[str, Any]:
     """batch_generate's keywords for these settings, beyond the 3.1 ones."""
     keywords: dict[str, Any] = {}
@@ -172,7 +324,7 @@ def batch_keywords(args: argparse.Namespace, pools: list | None) -> dict[str, An
 
 
 def describe(args: argparse.Namespace) -> str:
-    """One line: the policy, compilation and the KV storage."""
+    """One line: the policy, compilation, the KV storage and speculation (serve)."""
     if args.policy == "hybrid":
         policy = f"hybrid policy (one pass: decode rows + prompt chunks, {args.prefill_step} rows)"
     else:
@@ -187,7 +339,15 @@ def describe(args: argparse.Namespace) -> str:
         read = "read in place" if args.read_in_place else "gathered"
         shared = "prefix cache" if args.prefix_cache else "no prefix cache"
         kv = f"paged KV: {pages} per layer, {read}, {shared}"
-    return f"scheduler: {policy}, {compiled}, {kv}"
+    line = f"scheduler: {policy}, {compiled}, {kv}"
+    source = getattr(args, "speculative", None)
+    if source is not None:
+        how = "prompt lookup" if source == NGRAM else f"draft model {source}"
+        line += (
+            f", speculative decoding: {how}, up to {args.num_draft_tokens} guesses per request "
+            "and pass"
+        )
+    return line
 
 
 def unfinished_hint(args: argparse.Namespace, error: NotImplementedError) -> str:
@@ -196,6 +356,8 @@ def unfinished_hint(args: argparse.Namespace, error: NotImplementedError) -> str
         return "; --gather serves the pages without Week 3 Day 5"
     if args.prefix_cache and "Week 4 Day 4" in str(error):
         return "; --no-prefix-cache serves the pages without Week 4 Day 4"
+    if getattr(args, "speculative", None) is not None and "Week 4 Day 5" in str(error):
+        return "; without --speculative the server runs without Week 4 Day 5"
     return ""
 
 

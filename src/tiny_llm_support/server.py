@@ -5,7 +5,8 @@ that runs on its own thread (server_engine.EngineService).
     POST /v1/completions        a text or token-id prompt
     GET  /v1/models             the one model served
     GET  /health                200 while the engine runs, 503 once it stops
-    GET  /metrics               engine.stats() in Prometheus' text format, and the prefix hit rate
+    GET  /metrics               engine.stats() in Prometheus' text format, the prefix hit rate
+                                and speculative decoding's acceptance rate
 
 A handler checks the request (server_api), turns it into token ids and sampling settings, and
 hands it to the engine thread; it never calls the model. The engine's outputs come back on the
@@ -334,6 +335,21 @@ METRICS = {
         "prompt tokens cached / (cached + prefilled), since the start; 0 before any",
     ),
     "tokens_decoded": ("tiny_llm_tokens_decoded_total", "counter", "tokens generated"),
+    "tokens_proposed": (
+        "tiny_llm_spec_tokens_proposed_total",
+        "counter",
+        "tokens guessed by speculative decoding's proposer and checked by the model",
+    ),
+    "tokens_accepted": (
+        "tiny_llm_spec_tokens_accepted_total",
+        "counter",
+        "guessed tokens the model kept (each saves a pass over the weights)",
+    ),
+    "spec_acceptance_rate": (  # computed here from the two counters above
+        "tiny_llm_spec_acceptance_rate",
+        "gauge",
+        "guessed tokens accepted / proposed, since the start; 0 before any",
+    ),
     "preemptions": ("tiny_llm_preemptions_total", "counter", "requests preempted for pages"),
     "requests_finished": ("tiny_llm_requests_finished_total", "counter", "requests finished"),
     "requests_aborted": ("tiny_llm_requests_aborted_total", "counter", "requests aborted"),
@@ -353,11 +369,22 @@ def prefix_hit_rate(stats: dict[str, Any]) -> float:
     return cached / total if total else 0.0
 
 
+def acceptance_rate(stats: dict[str, Any]) -> float:
+    """The share of speculative decoding's guesses that the model kept: accepted / proposed,
+    0 before any guess (and without speculation, or with an engine that counts none)."""
+    proposed = stats.get("tokens_proposed", 0)
+    return stats.get("tokens_accepted", 0) / proposed if proposed else 0.0
+
+
 def prometheus_text(stats: dict[str, Any], refused_busy: int) -> str:
     """Prometheus' text exposition format: # HELP, # TYPE, then `name value`. A stat that is
     None (pages_free of an unbounded pool) is left out; a stat not in METRICS is a gauge."""
     lines = []
-    extra = {"prefix_hit_rate": round(prefix_hit_rate(stats), 6), "refused_busy": refused_busy}
+    extra = {
+        "prefix_hit_rate": round(prefix_hit_rate(stats), 6),
+        "spec_acceptance_rate": round(acceptance_rate(stats), 6),
+        "refused_busy": refused_busy,
+    }
     for key, value in {**stats, **extra}.items():
         if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
             continue
