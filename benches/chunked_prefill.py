@@ -29,7 +29,6 @@ import json
 import math
 import os
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -46,21 +45,25 @@ if __name__ == "__main__":
 import mlx.core as mx
 from chunked_prefill_report import plot, summary_table
 from common import (
+    EXIT_REPORTED,
     RESULTS,
     BenchModel,
     add_model_arguments,
     bench_model_from_args,
     blas_info,
+    device_name,
     host_info,
     log,
     median,
     mlx_info,
     openblas_preload_env,
+    plan_runs,
+    run_fresh,
     write_json,
 )
 from trace_run import Trace, WrongOutput, make_trace, serve, serve_mlx_lm, warmup_trace
 
-from tiny_llm_support import CheckpointError, choose_device, gpu_available, mlx_lm_qwen3
+from tiny_llm_support import CheckpointError, choose_device, mlx_lm_qwen3
 from tiny_llm_support.batch_recorder import StepError
 from tiny_llm_support.cli import (
     SOLUTIONS,
@@ -73,7 +76,6 @@ from tiny_llm_support.cli import (
 
 SCHEMA = "tiny-llm/bench-chunked-prefill/v1"
 POLICIES = ("alternate", "hybrid", "mlx-lm")  # batch_generate's policies, and mlx-lm's server
-EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
 
 # The per-run numbers that are aggregated (median over runs) for each budget.
 SCALAR_METRICS = (
@@ -310,16 +312,6 @@ def settings_of(policies, budgets, pool_sizes) -> list[dict[str, Any]]:
     ]
 
 
-def plan_runs(settings: Sequence[Any], repeats: int) -> list[tuple[int, str, Any]]:
-    """(repeat, order, setting) in launch order: repeat 0 forward, 1 reverse, 2 forward..."""
-    plan = []
-    for r in range(repeats):
-        order = "forward" if r % 2 == 0 else "reverse"
-        for setting in settings if order == "forward" else list(reversed(settings)):
-            plan.append((r, order, setting))
-    return plan
-
-
 def aggregate(runs: list[dict[str, Any]], settings: Sequence[dict]) -> list[dict[str, Any]]:
     """Per setting: the median, min and max over its runs of every scalar metric."""
     rows = []
@@ -374,7 +366,7 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
         f"model {model.name} ({model.source}, {model.num_layers} layers, "
         f"{model.parameter_count() / 1e6:.1f}M parameters, "
         f"{'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {_device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
+        f"{args.dtype} on {device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
     )
     log(
         f"trace seed {args.seed}: {args.num_seqs} requests, {trace.prompt_tokens} prompt tokens, "
@@ -466,29 +458,14 @@ def run_child(
     tmp: Path, k: int, total: int, env: dict[str, str], spec: dict[str, Any]
 ) -> dict[str, Any]:
     """One run in a fresh process: its result, with the time the whole process took."""
-    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
-    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
     setting, repeat = spec["setting"], spec["repeat"]
     what = f"{setting['policy']} prefill step {setting['prefill_step']}" + (
         f" pool {setting['max_pages']}" if setting["max_pages"] else ""
     )
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child-spec", str(spec_path)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
+    run = run_fresh(
+        Path(__file__).resolve(), tmp, k, total, env, spec, f"{what}, repeat {repeat + 1}"
     )
-    elapsed = time.perf_counter() - t
-    if proc.returncode == EXIT_REPORTED:
-        raise SystemExit(1)  # the run said what went wrong, on one line
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"run {k + 1}/{total} ({what}, repeat {repeat + 1}) failed with exit status "
-            f"{proc.returncode}; its error is above"
-        )
-    run = json.loads(out_path.read_text())
-    run["process_s"] = elapsed
+    elapsed = run["process_s"]
     mt = run["metrics"]
     log(
         f"[{k + 1}/{total}] {what}  repeat {repeat + 1} ({spec['order']})  "
@@ -497,10 +474,6 @@ def run_child(
         f"p95 gap {_ms(mt['decode_gap_ms_p95'])}  blas {run['blas']['blas']}"
     )
     return run
-
-
-def _device_name(requested: str) -> str:
-    return "gpu" if requested == "gpu" or (requested == "auto" and gpu_available()) else "cpu"
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -518,7 +491,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return child_main(args.child_spec)
     model = check_args(parser, args)
     if args.dtype is None:
-        args.dtype = default_dtype(_device_name(args.device))
+        args.dtype = default_dtype(device_name(args.device))
     if args.json_output is None:
         args.json_output = default_json_path(model)
     if args.plot_output is None:

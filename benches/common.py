@@ -21,7 +21,9 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -459,3 +461,99 @@ def write_json(path: str | Path, data: Any) -> Path:
 if __name__ == "__main__":  # quick look at the machine: python benches/common.py
     json.dump({"host": host_info(), "mlx": mlx_info(), "blas": blas_info()}, sys.stdout, indent=2)
     print()
+
+
+EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
+
+
+def run_fresh(script: Path, tmp: Path, k: int, total: int, env: dict, spec: dict, what: str):
+    """Run one measurement in a fresh process (`script --child-spec FILE`, which writes its
+    JSON to spec["output"]) and return that JSON with process_s, the time the whole process
+    took. A failed run stops the benchmark: quietly when the child printed its own one-line
+    error (exit status EXIT_REPORTED), else naming the run (`what`)."""
+    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
+    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(script), "--child-spec", str(spec_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
+    )
+    elapsed = time.perf_counter() - t
+    if proc.returncode == EXIT_REPORTED:
+        raise SystemExit(1)  # the run said what went wrong, on one line
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"run {k + 1}/{total} ({what}) failed with exit status {proc.returncode}; "
+            "its error is above"
+        )
+    run = json.loads(out_path.read_text())
+    run["process_s"] = elapsed
+    return run
+
+
+OLD_OPENBLAS_CORES = ("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai")
+
+
+def device_name(requested: str) -> str:
+    return "gpu" if requested == "gpu" or (requested == "auto" and gpu_available()) else "cpu"
+
+
+def relative_path(path: Path) -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        return str(path.resolve().relative_to(root))
+    except ValueError:
+        return str(path)
+
+
+def package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def plan_runs(items: Sequence[Any], repeats: int) -> list[tuple[int, str, Any]]:
+    """(repeat, order, item) in launch order: repeat 0 forward, 1 reverse, 2 forward... so that
+    no mode always runs first or last."""
+    plan = []
+    for r in range(repeats):
+        order = "forward" if r % 2 == 0 else "reverse"
+        for item in items if order == "forward" else list(reversed(items)):
+            plan.append((r, order, item))
+    return plan
+
+
+def openblas_core() -> str | None:
+    """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
+    OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's
+    0.3.21 chose "Prescott" on a Xeon with AVX-512, fp32 matmul about 5x slower than with
+    OPENBLAS_CORETYPE=SkylakeX)."""
+    import ctypes
+
+    try:
+        corename = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return None
+    corename.restype = ctypes.c_char_p
+    name = corename()
+    return name.decode() if name else None
+
+
+def probe_openblas_core(env: dict[str, str], library: str | None) -> str | None:
+    """The kernels the preloaded OpenBLAS would pick in the runs (a short process of its own,
+    with the runs' environment); None where nothing is preloaded."""
+    if library is None:
+        return None
+    code = (
+        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+        "f.restype = ctypes.c_char_p; print(f().decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, library], env=env, capture_output=True, text=True
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None

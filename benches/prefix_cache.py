@@ -41,7 +41,6 @@ import json
 import os
 import platform
 import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -60,23 +59,32 @@ if __name__ == "__main__":
 import mlx.core as mx
 from common import (
     EMBEDDED_CONFIGS,
+    EXIT_REPORTED,
+    OLD_OPENBLAS_CORES,
     RESULTS,
     BenchModel,
     add_model_arguments,
     bench_model_from_args,
     blas_info,
     canonical_json,
+    device_name,
     host_info,
     log,
     median,
     mlx_info,
+    openblas_core,
     openblas_preload_env,
+    package_version,
     percentile,
+    plan_runs,
+    probe_openblas_core,
+    relative_path,
+    run_fresh,
     write_json,
 )
 from trace_run import NoTextTokenizer, make_trace
 
-from tiny_llm_support import CheckpointError, choose_device, gpu_available, mlx_lm_qwen3
+from tiny_llm_support import CheckpointError, choose_device, mlx_lm_qwen3
 from tiny_llm_support.cli import (
     SOLUTIONS,
     default_dtype,
@@ -94,8 +102,6 @@ DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "prefix-agent.json"
 DEFAULT_TRACE_SHA256 = "98be1060f03384c4282cb17c4fd3990c74aaf66327885ddc2bb2244908009bf6"
 MODES = ("off", "on", "mlx-lm")
 DEFAULT_LAYERS = 8  # for a shortcut with an embedded config: "the 8-layer Qwen3-0.6B shape"
-OLD_OPENBLAS_CORES = ("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai")
-EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
 MLX_LM_MODEL_KEY = ("bench-prefix-cache", None, None)  # mlx_lm.server keys a cache by model
 WARMUP_PROMPT_TOKENS = 256
 WARMUP_SEED = 1_000_003
@@ -539,37 +545,6 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def openblas_core() -> str | None:
-    """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
-    OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's
-    0.3.21 chose "Prescott" on a Xeon with AVX-512, fp32 matmul about 5x slower than with
-    OPENBLAS_CORETYPE=SkylakeX)."""
-    import ctypes
-
-    try:
-        corename = ctypes.CDLL(None).openblas_get_corename
-    except (AttributeError, OSError):
-        return None
-    corename.restype = ctypes.c_char_p
-    name = corename()
-    return name.decode() if name else None
-
-
-def probe_openblas_core(env: dict[str, str], library: str | None) -> str | None:
-    """The kernels the preloaded OpenBLAS would pick in the runs (a short process of its own,
-    with the runs' environment); None where nothing is preloaded."""
-    if library is None:
-        return None
-    code = (
-        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
-        "f.restype = ctypes.c_char_p; print(f().decode())"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, library], env=env, capture_output=True, text=True
-    )
-    return done.stdout.strip() or None if done.returncode == 0 else None
-
-
 # --- numbers of one run ---------------------------------------------------------------------
 
 
@@ -758,7 +733,7 @@ def load_trace(p: argparse.ArgumentParser, args, model: BenchModel) -> tuple[Age
     if trace.max_seq_len > limit:
         p.error(f"the trace's longest request ({trace.max_seq_len} tokens) exceeds {limit}")
     about = {
-        "path": _relative(args.trace),
+        "path": relative_path(args.trace),
         "file_sha256": file_sha,
         "is_committed_trace": default,
         "file": {k: v for k, v in other.items() if k != "about"},
@@ -773,39 +748,14 @@ def load_trace(p: argparse.ArgumentParser, args, model: BenchModel) -> tuple[Age
     return trace, about
 
 
-def plan_runs(modes: Sequence[str], repeats: int) -> list[tuple[int, str, str]]:
-    """(repeat, order, mode) in launch order: repeat 0 forward, 1 reverse, 2 forward..."""
-    plan = []
-    for r in range(repeats):
-        order = "forward" if r % 2 == 0 else "reverse"
-        for mode in modes if order == "forward" else list(reversed(modes)):
-            plan.append((r, order, mode))
-    return plan
-
-
 def run_child(tmp: Path, k: int, total: int, env: dict[str, str], spec: dict) -> dict[str, Any]:
     """One run in a fresh process: its result, with the time the whole process took."""
-    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
-    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
     mode, repeat = spec["mode"], spec["repeat"]
     log(f"[{k + 1}/{total}] mode {mode}, repeat {repeat + 1} ({spec['order']})")
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child-spec", str(spec_path)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
+    run = run_fresh(
+        Path(__file__).resolve(), tmp, k, total, env, spec, f"mode {mode}, repeat {repeat + 1}"
     )
-    elapsed = time.perf_counter() - t
-    if proc.returncode == EXIT_REPORTED:
-        raise SystemExit(1)  # the run said what went wrong, on one line
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"run {k + 1}/{total} (mode {mode}, repeat {repeat + 1}) failed with exit status "
-            f"{proc.returncode}; its error is above"
-        )
-    run = json.loads(out_path.read_text())
-    run["process_s"] = elapsed
+    elapsed = run["process_s"]
     m = run["metrics"]
     log(
         f"[{k + 1}/{total}] mode {mode}: {elapsed:.1f} s in process (load {run['load_s']:.1f}, "
@@ -960,7 +910,7 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel, trace: AgentTrace
         f"model {model.name} ({model.source}, {model.num_layers} layers, "
         f"{model.parameter_count() / 1e6:.1f}M parameters, "
         f"{'random' if model.random_weights else 'checkpoint'} weights), {args.dtype} on "
-        f"{_device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
+        f"{device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
     )
     log(
         f"trace {about['path']} (file sha256 {about['file_sha256'][:16]}...): system "
@@ -1154,7 +1104,7 @@ def mlx_lm_settings() -> dict[str, Any]:
 
     step = inspect.signature(generate_step).parameters["prefill_step_size"].default
     return {
-        "version": _version("mlx-lm"),
+        "version": package_version("mlx-lm"),
         "serving": "one request at a time, in arrival order: LRUPromptCache.fetch_nearest_cache, "
         "stream_generate(prompt_cache=...) over the rest of the prompt, insert_cache(prompt + "
         "answer); greedy, EOS ignored",
@@ -1165,27 +1115,6 @@ def mlx_lm_settings() -> dict[str, Any]:
 
 def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
-
-
-def _version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def _relative(path: Path) -> str:
-    root = Path(__file__).resolve().parent.parent
-    try:
-        return str(path.resolve().relative_to(root))
-    except ValueError:
-        return str(path)
-
-
-def _device_name(requested: str) -> str:
-    return "gpu" if requested == "gpu" or (requested == "auto" and gpu_available()) else "cpu"
 
 
 def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
@@ -1215,7 +1144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return write_trace(args, model)
     trace, about = load_trace(parser, args, model)
     if args.dtype is None:
-        args.dtype = default_dtype(_device_name(args.device))
+        args.dtype = default_dtype(device_name(args.device))
     if args.json_output is None:
         args.json_output = default_json_path(model)
     if args.plot_output is None:
