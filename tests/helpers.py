@@ -276,3 +276,25 @@ def load_bench(name: str):
         sys.modules[name] = module
         spec.loader.exec_module(module)
     return sys.modules[name]
+
+
+def serve_greedy(engine, prompts, max_tokens, check=None) -> dict[int, list[int]]:
+    """Add every prompt to an Engine (greedy, ignoring EOS; max_tokens one budget for all or one
+    per prompt), step until idle, calling check(engine) after every step; returns
+    {prompt index: generated tokens}."""
+    budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
+    package = importlib.import_module(type(engine).__module__.rpartition(".")[0])
+    rids = {
+        engine.add_request(p, package.SamplingParams(max_tokens=n, ignore_eos=True)): i
+        for i, (p, n) in enumerate(zip(prompts, budgets))
+    }
+    got = {i: [] for i in rids.values()}
+    for _ in range(2000):
+        if not engine.has_work:
+            break
+        for out in engine.step():
+            got[rids[out.request_id]] += out.token_ids
+        if check is not None:
+            check(engine)
+    assert not engine.has_work, "the engine did not go idle"
+    return got

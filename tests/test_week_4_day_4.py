@@ -18,7 +18,7 @@ import importlib
 import random
 
 import pytest
-from helpers import assert_all_pages_free
+from helpers import assert_all_pages_free, serve_greedy
 
 MAX_SEQ_LEN = 96
 PAGE = 4
@@ -179,27 +179,6 @@ def engine_for(impl, model, tokenizer, prefix_cache, policy, max_pages=None, **k
     return engine, pools, events
 
 
-def serve(engine, prompts, max_tokens, check=None):
-    """Add every prompt (greedy, ignoring EOS), step until idle, calling check(engine) after
-    every step; returns {prompt index: generated tokens}."""
-    budgets = [max_tokens] * len(prompts) if isinstance(max_tokens, int) else max_tokens
-    package = importlib.import_module(type(engine).__module__.rpartition(".")[0])
-    rids = {
-        engine.add_request(p, package.SamplingParams(max_tokens=n, ignore_eos=True)): i
-        for i, (p, n) in enumerate(zip(prompts, budgets))
-    }
-    got = {i: [] for i in rids.values()}
-    for _ in range(2000):
-        if not engine.has_work:
-            break
-        for out in engine.step():
-            got[rids[out.request_id]] += out.token_ids
-        if check is not None:
-            check(engine)
-    assert not engine.has_work, "the engine did not go idle"
-    return got
-
-
 def conversation(impl, model, tokenizer, prefix_cache, policy, turns, max_tokens=5, **kwargs):
     """Each turn re-sends the conversation so far (every earlier prompt and answer) plus a new
     message. Returns the answers per turn, the events and the pools."""
@@ -207,7 +186,7 @@ def conversation(impl, model, tokenizer, prefix_cache, policy, turns, max_tokens
     history, answers = [], []
     for message in turns:
         history = history + message
-        [answer] = serve(engine, [history], max_tokens).values()
+        [answer] = serve_greedy(engine, [history], max_tokens).values()
         answers.append(answer)
         history = history + answer
     return answers, events, pools
@@ -229,7 +208,7 @@ def test_a_shared_system_prompt_is_prefilled_once(impl, model, tokenizer, policy
     runs = {}
     for on in (False, True):
         engine, pools, events = engine_for(impl, model, tokenizer, on, policy, batch_size=1)
-        runs[on] = (serve(engine, prompts, 6, check=check_counts), events, pools)
+        runs[on] = (serve_greedy(engine, prompts, 6, check=check_counts), events, pools)
     (off, off_events, _), (got, events, pools) = runs[False], runs[True]
     assert got == off, (
         f"{policy}: texts differ with the prefix cache on: a request started from the cached "
@@ -273,7 +252,7 @@ def test_the_last_prompt_token_is_always_computed(impl, model, tokenizer, policy
     runs = {}
     for on in (False, True):
         engine, pools, events = engine_for(impl, model, tokenizer, on, policy, batch_size=1)
-        runs[on] = (serve(engine, [prompt, prompt, prompt[:length]], 4), events)
+        runs[on] = (serve_greedy(engine, [prompt, prompt, prompt[:length]], 4), events)
     assert runs[True][0] == runs[False][0], "an identical prompt must generate the same tokens"
     want = (length - 1) // PAGE * PAGE
     assert cached(runs[True][1])[1:] == [want, want], (
@@ -301,7 +280,7 @@ def test_small_pools_evict_and_preempt_and_keep_the_texts(
         engine, pools, events = engine_for(
             impl, model, tokenizer, on, policy, max_pages=14, batch_size=3
         )
-        runs[on] = serve(engine, prompts, budgets, check=check_counts), events, pools
+        runs[on] = serve_greedy(engine, prompts, budgets, check=check_counts), events, pools
     (off, _, _), (got, events, pools) = runs[False], runs[True]
     assert got == off, f"{policy}: texts differ with the prefix cache on and a small pool"
     kinds = {e.kind for e in events}
@@ -343,7 +322,7 @@ def test_a_fault_leaves_no_reference_behind(impl, model, tokenizer, policy):
     system = chat(rng, 12)
     prompts = [system + chat(rng, 3) for _ in range(4)]
     engine, pools, events = engine_for(impl, model, tokenizer, True, policy, batch_size=2)
-    serve(engine, prompts[:1], 3)  # the system prompt is cached now
+    serve_greedy(engine, prompts[:1], 3)  # the system prompt is cached now
 
     class Boom(Exception):
         pass
@@ -357,7 +336,7 @@ def test_a_fault_leaves_no_reference_behind(impl, model, tokenizer, policy):
 
     engine.on_step = explode
     with pytest.raises(Boom):
-        serve(engine, prompts[1:], 4)
+        serve_greedy(engine, prompts[1:], 4)
     assert_all_pages_free(pools, f"{policy}: after a fault")
     assert all(not p.refs for p in pools), "after a fault every reference must be dropped"
     assert pools[0].num_cached > 0, "the cached pages keep their contents after a fault"
@@ -372,7 +351,7 @@ def test_a_collision_serves_no_wrong_kv(impl, model, tokenizer, policy, monkeypa
     runs = {}
     for on in (False, True):
         engine, _, events = engine_for(impl, model, tokenizer, on, policy, batch_size=1)
-        runs[on] = serve(engine, prompts, 5), events
+        runs[on] = serve_greedy(engine, prompts, 5), events
     assert runs[True][0] == runs[False][0], (
         f"{policy}: with every page key alike the texts changed: a lookup served a page whose "
         "tokens or parent entry differ from the prompt's"
@@ -386,7 +365,7 @@ def test_a_collision_serves_no_wrong_kv(impl, model, tokenizer, policy, monkeypa
 def test_dense_caches_and_plain_pools_are_unchanged(impl, model, tokenizer):
     prompt = chat(random.Random(6), 10)
     engine = impl.Engine(model, tokenizer, max_seq_len=MAX_SEQ_LEN, batch_size=2)
-    serve(engine, [prompt, prompt], 3)
+    serve_greedy(engine, [prompt, prompt], 3)
     assert engine.stats()["prompt_tokens_cached"] == 0, "dense caches have no prefix cache"
     plain = model.create_kv_pools(page_size=PAGE)
     assert not isinstance(plain[0], impl.TinyKvSharedPool), "prefix_cache=False: plain pools"
@@ -403,7 +382,7 @@ def test_admission_counts_only_the_pages_a_prompt_takes_anew(impl, model, tokeni
     engine, pools, events = engine_for(
         impl, model, tokenizer, True, policy, max_pages=9, batch_size=2
     )
-    got = serve(engine, [first, second], [8, 4], check=check_counts)
+    got = serve_greedy(engine, [first, second], [8, 4], check=check_counts)
     order = [(e.kind, e.request.prompt_idx) for e in events if e.kind in ("admit", "finish")]
     assert order.index(("admit", 1)) < order.index(("finish", 0)), (
         f"events {order}: the second prompt shares 4 pages the first one holds, so it needs 1 "
@@ -412,7 +391,7 @@ def test_admission_counts_only_the_pages_a_prompt_takes_anew(impl, model, tokeni
     )
     assert cached(events)[1] == 16
     off, _, _ = engine_for(impl, model, tokenizer, False, policy, max_pages=9, batch_size=2)
-    assert got == serve(off, [first, second], [8, 4])
+    assert got == serve_greedy(off, [first, second], [8, 4])
 
 
 def test_engine_reports_cached_tokens(impl, model, tokenizer):

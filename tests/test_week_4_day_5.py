@@ -20,7 +20,7 @@ import random
 
 import mlx.core as mx
 import pytest
-from helpers import assert_all_pages_free
+from helpers import assert_all_pages_free, serve_greedy
 
 from tiny_llm_support import load_checkpoint, make_tiny_checkpoint
 
@@ -178,21 +178,6 @@ def other_draft(impl, tmp_path_factory):
     return impl.Qwen3Model(load_checkpoint(make_tiny_checkpoint(path, seed=5, num_hidden_layers=1)))
 
 
-def serve(impl, engine, prompts, max_tokens=14, check=None):
-    params = impl.SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    rids = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
-    got = {i: [] for i in rids.values()}
-    for _ in range(500):
-        if not engine.has_work:
-            break
-        for out in engine.step():
-            got[rids[out.request_id]] += out.token_ids
-        if check is not None:
-            check(engine)
-    assert not engine.has_work, "the engine did not go idle"
-    return got
-
-
 def make_engine(impl, model, tokenizer, speculative, pools=None, batch_size=3, **kwargs):
     settings = dict(max_seq_len=MAX_SEQ_LEN, batch_size=batch_size, prefill_step=16)
     settings.update(kwargs)
@@ -238,11 +223,13 @@ def test_greedy_speculation_generates_the_plain_tokens(
     if cache == "int8":  # groups of 32: the tiny model's head_dim is 32
         target = impl.Qwen3Model(tiny_gqa_ckpt, kv_bits=8, kv_group_size=32)
     pools = lambda: None if cache == "dense" else target.create_kv_pools(page_size=PAGE)  # noqa: E731
-    plain = serve(impl, make_engine(impl, target, tokenizer, None, pools(), batch_size), prompts)
+    plain = serve_greedy(
+        make_engine(impl, target, tokenizer, None, pools(), batch_size), prompts, 14
+    )
     for name, make in proposers(impl, target, other_draft).items():
         proposer, engine_pools = make(), pools()
         engine = make_engine(impl, target, tokenizer, proposer, engine_pools, batch_size)
-        got = serve(impl, engine, prompts, check=no_pages_past_the_end)
+        got = serve_greedy(engine, prompts, 14, check=no_pages_past_the_end)
         assert got == plain, (
             f"{name}, {cache} caches, batch {batch_size}: greedy speculation generated other "
             "tokens than plain decoding; the guesses must be checked at the request's offset "
@@ -263,8 +250,8 @@ def test_the_budget_counts_every_guess_row(impl, model, tokenizer, prompts, monk
 
     monkeypatch.setattr(mod, "forward_ragged", spy)
     engine = make_engine(impl, model, tokenizer, impl.PromptLookup(8), prefill_step=6)
-    plain = serve(impl, make_engine(impl, model, tokenizer, None, prefill_step=6), prompts)
-    assert serve(impl, engine, prompts) == plain
+    plain = serve_greedy(make_engine(impl, model, tokenizer, None, prefill_step=6), prompts, 14)
+    assert serve_greedy(engine, prompts, 14) == plain
     assert widths and max(widths) <= 6, (
         f"passes of {max(widths)} rows with a budget of 6: a guess takes a row of the budget"
     )
@@ -298,10 +285,10 @@ class Oracle:
 
 
 def test_acceptance_counters_are_exact(impl, model, tokenizer, prompts):
-    plain = serve(impl, make_engine(impl, model, tokenizer, None, batch_size=1), prompts[:1], 13)
+    plain = serve_greedy(make_engine(impl, model, tokenizer, None, batch_size=1), prompts[:1], 13)
     oracle = Oracle(impl, {tuple(prompts[0]): plain[0]})
     engine = make_engine(impl, model, tokenizer, oracle, batch_size=1)
-    assert serve(impl, engine, prompts[:1], 13) == plain
+    assert serve_greedy(engine, prompts[:1], 13) == plain
     # 13 tokens: 1 from the prefill; three passes guess 3 and keep 2 plus the model's own
     # (10 tokens); the last may guess only 2 (3 tokens are left, one is the model's), both right
     sizes = [n for n, _ in oracle.made]
@@ -316,7 +303,7 @@ def test_acceptance_counters_are_exact(impl, model, tokenizer, prompts):
 
 
 def test_eos_inside_the_kept_guesses_ends_the_request_there(impl, model, tokenizer, prompts):
-    plain = serve(impl, make_engine(impl, model, tokenizer, None), prompts, 20)
+    plain = serve_greedy(make_engine(impl, model, tokenizer, None), prompts, 20)
     eos = plain[0][6]  # a token the first prompt generates in the middle of its answer
 
     class WithEos:

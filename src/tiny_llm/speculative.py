@@ -192,12 +192,8 @@ def finish_chunks(scheduler, chunks: list, logits: mx.array) -> None:
 
 
 def remaining(request) -> int:
-    """Guesses worth making: the tokens the request may still generate, less the one token of
-    the model's own every pass adds."""
-    total = len(request.prompt_tokens) + len(request.generated)
-    limits = [request.model.max_seq_len - total]
-    if request.max_new_tokens is not None:
-        limits.append(request.max_new_tokens - len(request.generated))
-    if request.max_seq_len is not None:
-        limits.append(request.max_seq_len - total)
-    return max(0, min(limits) - 1)
+    """Guesses worth making: the tokens the request may still hold (Request.longest, within the
+    model's positions), less those it holds, less the one token of the model's own every pass
+    adds."""
+    longest = min(request.longest, request.model.max_seq_len)
+    return max(0, longest - len(request.prompt_tokens) - len(request.generated) - 1)
