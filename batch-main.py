@@ -7,9 +7,10 @@ package (no network); `tiny-random` has random weights. Shortcuts such as `qwen3
 fetched into the Hugging Face cache. On a terminal the slots and prefills are drawn live with
 rich; otherwise a line is printed per prefill chunk, per finished request and per `--log-every`
 decode steps. Then come the answers and the measurements. The scheduler settings of Week 3
-(--compile, --policy, --max-pages, --gather) and the prefix cache of Week 4 Day 4
-(--prefix-cache, off unless asked for): tiny_llm_support.batch_settings; views: batch_views;
-measurements: batch_recorder; prompts: demo_prompts.
+(--compile, --policy, --max-pages, --gather), the prefix cache of Week 4 Day 4 (--prefix-cache,
+off unless asked for) and speculative decoding of Week 4 Day 5 (--speculative ngram|MODEL,
+--num-draft-tokens K; hybrid unless --policy alternate): tiny_llm_support.batch_settings;
+views: batch_views; measurements: batch_recorder; prompts: demo_prompts.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tiny_llm_support import ModelNotAvailableError, blas_info, choose_device, c
 from tiny_llm_support import batch_settings as settings
 from tiny_llm_support import batch_views as views
 from tiny_llm_support.batch_recorder import BatchRecorder, StepError
+from tiny_llm_support.checkpoint_files import CheckpointError
 from tiny_llm_support.demo_prompts import DEMO_PROMPTS, MIN_ANSWER_TOKENS, prepare_prompts
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 
@@ -70,7 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--max-seq-len must be more than {MIN_ANSWER_TOKENS}")
     if args.num_prompts > len(DEMO_PROMPTS):
         p.error(f"--num-prompts is at most {len(DEMO_PROMPTS)}")
-    problem = settings.check_arguments(args)
+    args.batch_size = min(args.batch_size, args.num_prompts)  # more slots would stay empty
+    problem = cli.ranks_problem(args.tp, args.hostfile) or settings.check_arguments(args)
     if problem:
         p.error(problem)
     return args
@@ -89,29 +92,36 @@ def run(args: argparse.Namespace) -> int:
     dtype = args.dtype or cli.default_dtype(device)
     try:
         path = cli.model_path(args.model, args.cache_dir)
+        draft_path = settings.draft_path(args)  # one-line UsageError for an unknown draft
     except ValueError as e:
         raise cli.UsageError(str(e)) from e
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    if args.tp > 1 and not in_ranks():
-        return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
-    group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
     try:
+        if args.tp > 1 and not in_ranks():  # each rank runs this command again
+            return relaunch_as_ranks(path, args.tp, args.hostfile)
+        group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
         ckpt = load_checkpoint(path, dtype=dtype)  # CheckpointError names the file and problem
         if ckpt.tokenizer is None:
             raise ValueError(f"{path} has no tokenizer.json")
+        draft_ckpt = load_checkpoint(draft_path, dtype=dtype) if draft_path else None
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     tokenizer = ckpt.tokenizer
-    problem = settings.check_model(args, ckpt.config)
+    problem = settings.check_model(args, ckpt.config, dtype)
+    if draft_ckpt is not None and not problem:
+        problem = settings.check_draft(args, ckpt.config, draft_ckpt.config)
     if problem:
         raise cli.UsageError(problem)
     try:
         chosen = prepare_prompts(
             tokenizer, args.seed, args.num_prompts, args.max_seq_len, args.enable_thinking
         )
+    except CheckpointError as e:  # a chat template that fails: it names its file
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except ValueError as e:
         raise cli.UsageError(str(e)) from e
     package = cli.load_solution(args.solution)
@@ -150,6 +160,10 @@ def run(args: argparse.Namespace) -> int:
             model.shard(group)
             out(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
         pools = settings.make_pools(model, args)
+        try:
+            proposer = settings.make_proposer(package, model, draft_ckpt, args)
+        except ValueError as e:  # a copy of the course from before Week 4 Day 5
+            raise cli.UsageError(str(e)) from e
         view = (
             views.LiveView(console, title, n, args.batch_size, pools)
             if live
@@ -174,11 +188,11 @@ def run(args: argparse.Namespace) -> int:
                 batch_size=args.batch_size,
                 prefill_step=args.prefill_step,
                 on_step=on_step,
-                **settings.batch_keywords(args, pools),
+                **settings.batch_keywords(args, pools, proposer),
             )
         rec.stop()
     except NotImplementedError as e:
-        hint = settings.unfinished_hint(args, e)
+        hint = settings.unfinished_hint(args, e, "batch-main")
         print(cli.unfinished_message(args.solution, e) + hint, file=sys.stderr)
         return 1
     except StepError as e:
@@ -191,7 +205,7 @@ def run(args: argparse.Namespace) -> int:
         out, [p.label() for p in chosen.prompts], answers, console if live else None
     )
     views.print_summary(out, rec, console if live else None)
-    for line in settings.summary_lines(model, pools, cached[0]):
+    for line in settings.summary_lines(model, pools, cached[0], proposer):
         out(line)
     if args.model == "tiny-random":
         out("(tiny-random: random weights, so the answers above are meaningless by design)")

@@ -1,13 +1,15 @@
 """Generate text for one prompt with the course's Qwen3 engine.
 
-    pdm run main --model tiny --prompt "Tell me a story."
-    pdm run main --model qwen3-0.6b --prompt "What is a KV cache?" --solution tiny_llm
+    pdm run main --prompt "What is a KV cache?"          # the tiny model, offline
+    pdm run main --model qwen3-0.6b --prompt "Explain paged attention in two sentences." \
+        --solution tiny_llm                               # real weights, your code
 
 `--solution tiny_llm` runs your code. It uses Week 2's cached loop (Qwen3Model with
 simple_generate_with_kv_cache) once that is written, and Week 1's loop (Qwen3ModelWeek1 with
 simple_generate, which recomputes the whole sequence every step) before that. The `tiny`
 model is a small chat model trained in the project and shipped in the package: it runs offline
-and knows little beyond the demo's questions. `tiny-random` has random weights.
+and answers the demo's questions and a few more (data/tiny-chat/qa.txt lists them), and little
+else. `tiny-random` has random weights.
 """
 
 from __future__ import annotations
@@ -26,18 +28,42 @@ if __name__ == "__main__":
 from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_checkpoint
 from tiny_llm_support.checkpoint_files import CheckpointError
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
+from tiny_llm_support.tokenizer import check_chat_text
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.script_parser("main", "Generate text for one prompt.")
-    p.add_argument("--prompt", type=cli.text, default="Tell me a short story about a cat.")
-    p.add_argument("--max-tokens", type=cli.int_at_least(0), default=64)
+    p.add_argument(
+        "--prompt",
+        type=cli.text,
+        default="Write a haiku about a cat.",
+        help="the user's message (the tiny model answers the questions of data/tiny-chat/qa.txt)",
+    )
+    p.add_argument("--max-tokens", type=cli.int_at_least(0), default=64, help="tokens to generate")
     p.add_argument("--temperature", type=cli.float_at_least(0), default=0.0, help="0 is greedy")
-    p.add_argument("--top-k", type=cli.int_at_least(1), default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
+    p.add_argument(
+        "--top-k",
+        type=cli.int_at_least(1),
+        default=None,
+        help="sample among the k likeliest tokens (default: all)",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float,
+        default=None,
+        help="sample among the likeliest tokens that make up this share (default: all)",
+    )
+    p.add_argument(
+        "--seed",
+        type=cli.int_between(0, 2**64 - 1),  # what mx.random.key takes
+        default=None,
+        help="makes sampling reproducible (default: a new draw every run)",
+    )
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     args = p.parse_args(argv)
+    problem = cli.ranks_problem(args.tp, args.hostfile)
+    if problem:
+        p.error(problem)
     if args.tp > 1 and args.temperature > 0 and args.seed is None:
         p.error("--tp with --temperature > 0 needs --seed: every rank must sample the same token")
     if args.top_p is not None and not 0 < args.top_p <= 1:
@@ -68,11 +94,14 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, gro
 
 
 def encode_prompt(ckpt, prompt: str, chat_template: bool) -> list[int]:
-    """The prompt's token ids; ValueError for an empty prompt or one longer than the model's
-    positions, before any model call."""
+    """The prompt's token ids; ValueError for an empty prompt (or one of only whitespace,
+    through the chat template), for one longer than the model's positions, and for a chat
+    template that fails (ChatTemplateError), before any model call."""
     text = prompt
     if chat_template:
-        text = ckpt.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+        messages = [{"role": "user", "content": prompt}]
+        check_chat_text(messages)
+        text = ckpt.tokenizer.apply_chat_template(messages)
     tokens = ckpt.tokenizer.encode(text)
     limit = ckpt.config.max_position_embeddings
     if not tokens:
@@ -91,8 +120,8 @@ def run(args: argparse.Namespace) -> int:
         device = choose_device(args.device)
         dtype = cli.default_dtype(device)
         path = cli.model_path(args.model)
-        if args.tp > 1 and not in_ranks():
-            return relaunch_as_ranks(args.tp, args.hostfile)  # each rank runs this command again
+        if args.tp > 1 and not in_ranks():  # each rank runs this command again
+            return relaunch_as_ranks(path, args.tp, args.hostfile)
         group = join_ranks(args.tp) if args.tp > 1 else None  # from here on only rank 0 prints
         ckpt = load_checkpoint(path, dtype=dtype)
         if ckpt.tokenizer is None:
@@ -106,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     limit = ckpt.config.max_position_embeddings
     max_tokens = min(args.max_tokens, limit - len(prompt_tokens) + 1)
     print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
+    if group is not None:
+        print(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
     if cli.model_note(args.model):
         print(cli.model_note(args.model))
     for hint in cli.cpu_hints(device, dtype):
@@ -136,7 +167,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def main(argv: list[str] | None = None) -> int:
+    return cli.run_main(parse_args, run, argv)
+
+
 if __name__ == "__main__":
-    arguments = parse_args()
     cli.reexec_with_openblas()
-    sys.exit(startup.run(lambda: run(arguments)))
+    sys.exit(startup.run(main))

@@ -51,6 +51,7 @@ from common import (
     add_model_arguments,
     bench_model_from_args,
     blas_info,
+    check_outputs,
     device_name,
     host_info,
     log,
@@ -496,6 +497,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json_output = default_json_path(model)
     if args.plot_output is None:
         args.plot_output = args.json_output.with_suffix(".png")
+    check_outputs(parser, args.json_output, None if args.no_plot else args.plot_output)
     report = run_benchmark(args, model)
     write_json(args.json_output, report)
     log(f"wrote {args.json_output}")

@@ -6,10 +6,13 @@
   `BenchModel.materialize(dir)` writes a random-weight checkpoint once, so that every fresh
   benchmark process only loads it; `BenchModel.load(dtype)` builds the `Checkpoint`. Random
   weights come from tiny_llm_support.random_weights, the generator of the tiny checkpoints.
-  `add_model_arguments` and `bench_model_from_args` are the command line's "model" group.
+  `add_model_arguments` and `bench_model_from_args` are the command line's "model" group;
+  `bench_model_or_exit` resolves a --model of a bench without that group.
 - The machine: `host_info()`, `mlx_info()`, `blas_info()`, `openblas_preload_env()`.
 - Numbers: `percentile`, `summarize`, `median`.
-- Output: `write_json` (creates the folder, stable formatting), `log` (progress, to stderr).
+- Output: `check_outputs` (before the run: every path it will write can be written),
+  `write_json` and `replace_file` (whole files through a rename, saying when one is replaced),
+  `log` (progress, to stderr).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -57,6 +61,9 @@ __all__ = [
     "resolve_bench_model",
     "add_model_arguments",
     "bench_model_from_args",
+    "bench_model_or_exit",
+    "check_outputs",
+    "replace_file",
     "host_info",
     "mlx_info",
     "blas_info",
@@ -333,21 +340,26 @@ def add_model_arguments(p: argparse.ArgumentParser, default_model: str) -> argpa
 
 def bench_model_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
     """The model group's checks and the model it names (no weights read); a bad choice exits
-    through argparse, a checkpoint that cannot be read with one line. Also refuses an output
-    path that is a directory."""
+    through argparse, a checkpoint that cannot be read with one line. Also checks the output
+    paths given (--json-output, --plot-output); a default one needs check_outputs of its own."""
     if args.device == "gpu" and not gpu_available():
         p.error("--device gpu: MLX has no Metal or CUDA device here")
-    for path in (args.json_output, getattr(args, "plot_output", None)):
-        if path is not None and path.is_dir():
-            p.error(f"{path} is a directory; give a file name")
+    model = bench_model_or_exit(
+        p, args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
+    )
+    check_outputs(p, args.json_output, getattr(args, "plot_output", None))
+    return model
+
+
+def bench_model_or_exit(p: argparse.ArgumentParser, model: str, *args, **kwargs) -> BenchModel:
+    """resolve_bench_model(model, ...), with a --model that names nothing usable as argparse's
+    error and a checkpoint that cannot be read as one line (exit status 1)."""
     try:
-        return resolve_bench_model(
-            args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
-        )
+        return resolve_bench_model(model, *args, **kwargs)
     except CheckpointError as e:  # not a usage error: the files are at fault
         raise SystemExit(f"error: {e}") from None
     except (ValueError, FileNotFoundError, RuntimeError) as e:
-        p.error(f"--model {args.model}: {e}")
+        p.error(f"--model {model}: {e}")
 
 
 def _read_config(path: Path) -> dict[str, Any]:
@@ -451,11 +463,54 @@ def canonical_json(data: Any) -> str:
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
-def write_json(path: str | Path, data: Any) -> Path:
+def check_outputs(p: argparse.ArgumentParser, *paths: str | Path | None) -> None:
+    """Before the run: argparse's error, naming the path, for an output that could not be
+    written at the end (a directory, a file where a folder should be, a folder this process
+    may not write in). Creates nothing; None stands for an output not asked for."""
+    for path in paths:
+        problem = None if path is None else output_problem(Path(path))
+        if problem:
+            p.error(problem)
+
+
+def output_problem(path: Path) -> str | None:
+    """Why `path` cannot be written, or None: tried with a temporary file in the nearest
+    folder that exists (the folders in between are made at the end)."""
+    if path.is_dir():
+        return f"{path} is a directory; give a file name"
+    folder = path.parent
+    while not folder.is_dir():
+        if folder.exists():
+            return f"cannot write {path}: {folder} is not a folder"
+        folder = folder.parent
+    try:
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as e:
+        return f"cannot write {path}: no file can be made in {folder} ({e.strerror})"
+    return None
+
+
+def replace_file(path: str | Path, text: str, encoding: str = "utf-8") -> Path:
+    """Write `text` to `path` whole: into a file beside it, renamed over it once complete, so
+    that an interrupted run leaves the old file (or none), never part of one. Says so on
+    stderr when a file is replaced."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        partial.write_text(text, encoding=encoding)
+        if path.exists():
+            log(f"replacing {path}")
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
+
+
+def write_json(path: str | Path, data: Any) -> Path:
+    """`data` as indented JSON in `path` (replace_file)."""
+    return replace_file(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
 if __name__ == "__main__":  # quick look at the machine: python benches/common.py
@@ -493,7 +548,12 @@ def run_fresh(script: Path, tmp: Path, k: int, total: int, env: dict, spec: dict
     return run
 
 
-OLD_OPENBLAS_CORES = ("Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai")
+# OpenBLAS kernel sets that ran float32 matmuls several times slower than OPENBLAS_CORETYPE=
+# SkylakeX on the course's machine: the old cores' generic kernels, and Debian's 0.3.21
+# Cooperlake choice there (29 against 175 GFLOP/s for a 1024 x 1024 matmul, 2026-12-02)
+OLD_OPENBLAS_CORES = (
+    "Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai", "Cooperlake",
+)  # fmt: skip
 
 
 def device_name(requested: str) -> str:

@@ -37,10 +37,31 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
-from common import RESULTS, host_info, log, mlx_info, resolve_bench_model, write_json
+from tiny_llm_support import startup
 
-from tiny_llm_support import blas_info, choose_device, mlx_lm_qwen3, reexec_with_openblas
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
+import mlx.core as mx
+from common import (
+    RESULTS,
+    BenchModel,
+    bench_model_or_exit,
+    check_outputs,
+    host_info,
+    log,
+    mlx_info,
+    write_json,
+)
+
+from tiny_llm_support import (
+    CheckpointError,
+    blas_info,
+    choose_device,
+    mlx_lm_qwen3,
+    reexec_with_openblas,
+)
 from tiny_llm_support.cli import DTYPES, int_at_least
 
 SCHEMA = "tiny-llm/bench-flash-attention/v1"
@@ -287,8 +308,9 @@ def measure_decode(states: dict[str, Any], args: argparse.Namespace) -> tuple[di
 DECODE_KINDS = ("paged-gather", "paged-in-place", "paged-in-place-per-request", "dense")
 
 
-def bench_decode(pkg, args: argparse.Namespace) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    bench_model = resolve_bench_model(args.model, num_layers=args.num_layers)
+def bench_decode(
+    pkg, args: argparse.Namespace, bench_model: BenchModel
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     ckpt = bench_model.load(args.dtype)
     model = pkg.Qwen3Model(ckpt)
     # one throwaway step, so that what the model builds on first use (its RoPE table) counts
@@ -440,14 +462,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if not args.no_openblas:
         reexec_with_openblas()  # returns only where no restart is needed
+    bench_model = bench_model_or_exit(parser, args.model, num_layers=args.num_layers)
+    png = args.plot_output or args.json_output.with_suffix(".png")
+    check_outputs(parser, args.json_output, None if args.no_plot else png)
     device = choose_device(args.device)
     pkg = __import__({"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}[args.solution])
     started = time.time()
     attention = [] if args.skip == "attention" else bench_attention(pkg, args)
-    decode, decode_model = ([], None) if args.skip == "decode" else bench_decode(pkg, args)
+    decoding = args.skip != "decode"
+    try:
+        decode, decode_model = bench_decode(pkg, args, bench_model) if decoding else ([], None)
+    except CheckpointError as e:  # weights that resolving the model could not check unread
+        raise SystemExit(f"error: {e}") from None
     report = {
         "schema": SCHEMA,
         "host": host_info(),
@@ -464,11 +494,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     write_json(args.json_output, report)
     log(f"wrote {args.json_output}")
-    png = args.plot_output or args.json_output.with_suffix(".png")
     if not args.no_plot and attention and decode and plot(report, png):
         log(f"wrote {png}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(startup.run(main))

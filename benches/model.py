@@ -60,12 +60,19 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
 from ceilings import measure_ceilings
 from common import (
     RESULTS,
     add_model_arguments,
     bench_model_from_args,
     blas_info,
+    check_outputs,
     host_info,
     log,
     mlx_info,
@@ -202,6 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         parser.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
     model = bench_model_from_args(parser, args)
+    args.json_output = args.json_output or default_json_path()
+    check_outputs(parser, args.json_output)
     contexts = args.decode_contexts or ([1024] if args.ablate else [])
     longest = max(
         [
@@ -327,12 +336,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
     }
     report["runtime_s"] = time.time() - started
-    path = args.json_output or default_json_path()
-    write_json(path, report)
-    log(f"wrote {path} (total {report['runtime_s']:.0f} s)")
+    write_json(args.json_output, report)
+    log(f"wrote {args.json_output} (total {report['runtime_s']:.0f} s)")
     print(markdown_table(report))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(startup.run(main))

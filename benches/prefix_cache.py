@@ -67,6 +67,7 @@ from common import (
     bench_model_from_args,
     blas_info,
     canonical_json,
+    check_outputs,
     device_name,
     host_info,
     log,
@@ -79,6 +80,7 @@ from common import (
     plan_runs,
     probe_openblas_core,
     relative_path,
+    replace_file,
     run_fresh,
     write_json,
 )
@@ -1127,8 +1129,7 @@ def write_trace(args: argparse.Namespace, model: BenchModel) -> int:
     args.system_tokens = args.system_tokens or 1024
     args.max_tokens = args.max_tokens or 16
     text = trace_file_text(make_agent_trace(args, model))
-    args.write_trace.parent.mkdir(parents=True, exist_ok=True)
-    args.write_trace.write_text(text, encoding="ascii")
+    replace_file(args.write_trace, text, encoding="ascii")
     sha = hashlib.sha256(text.encode("ascii")).hexdigest()
     log(f"wrote {args.write_trace}: sha256 {sha}")
     return 0
@@ -1141,6 +1142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return child_main(args.child_spec)
     model = check_args(parser, args)
     if args.write_trace is not None:
+        check_outputs(parser, args.write_trace)
         return write_trace(args, model)
     trace, about = load_trace(parser, args, model)
     if args.dtype is None:
@@ -1149,6 +1151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json_output = default_json_path(model)
     if args.plot_output is None:
         args.plot_output = args.json_output.with_suffix(".png")
+    check_outputs(parser, args.json_output, None if args.no_plot else args.plot_output)
     report = run_benchmark(args, model, trace, about)
     write_json(args.json_output, report)
     log(f"wrote {args.json_output}")

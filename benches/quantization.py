@@ -20,7 +20,8 @@ agreement  The tiny checkpoint (make_tiny_checkpoint, seed 0) in float32, 8-bit 
     pdm run bench-quantization --num-layers 2 --prefill-tokens 16 --decode-steps 2 \\
         --contexts 256 --repeats 1 --agreement-tokens 8          # a smoke run, seconds
 
-Writes JSON to benches/results/quantization-<model>-<layers>layers-<platform>.json.
+Writes JSON to benches/results/quantization-<model>-<layers>layers-<platform>.json (or
+--json-output).
 """
 
 from __future__ import annotations
@@ -35,12 +36,27 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
 import mlx.core as mx
-from common import RESULTS, host_info, mlx_info, resolve_bench_model, write_json
+from common import (
+    RESULTS,
+    BenchModel,
+    bench_model_or_exit,
+    check_outputs,
+    host_info,
+    mlx_info,
+    write_json,
+)
 
 import tiny_llm_ref as ref
 from tiny_llm_support import (
     Checkpoint,
+    CheckpointError,
     blas_info,
     choose_device,
     load_checkpoint,
@@ -194,13 +210,12 @@ def cache_bytes(layer_cache: Any) -> int:
 def agreement_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     float_dir = make_tiny_checkpoint(workdir / "float", seed=0)
     tokenizer = load_checkpoint(float_dir).tokenizer
-    variants = {
-        "float32": ref.Qwen3Model(load_checkpoint(float_dir)),
-        "8bit": ref.Qwen3Model(load_checkpoint(make_tiny_checkpoint(workdir / "q8", quantize=8))),
-        "4bit": ref.Qwen3Model(load_checkpoint(make_tiny_checkpoint(workdir / "q4", quantize=4))),
-        # the tiny model's head_dim is 32, so the INT8 cache takes groups of 32
-        "int8-kv": ref.Qwen3Model(load_checkpoint(float_dir), kv_bits=8, kv_group_size=32),
-    }
+    variants = {"float32": ref.Qwen3Model(load_checkpoint(float_dir))}
+    for bits in args.bits:  # the widths asked for, as in the weights part
+        quantized = make_tiny_checkpoint(workdir / f"q{bits}", quantize=bits)
+        variants[f"{bits}bit"] = ref.Qwen3Model(load_checkpoint(quantized))
+    # the INT8 KV cache (always 8 bits); the tiny model's head_dim is 32: groups of 32
+    variants["int8-kv"] = ref.Qwen3Model(load_checkpoint(float_dir), kv_bits=8, kv_group_size=32)
     n = args.agreement_tokens
     results: dict[str, Any] = {name: [] for name in variants if name != "float32"}
     for text in AGREEMENT_PROMPTS:
@@ -241,7 +256,9 @@ def forced_argmax(model: Any, tokens: mx.array, n: int) -> list[int]:
     return mx.argmax(logits[0], axis=-1).tolist()
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, BenchModel]:
+    """The arguments and the model they name (its config: the weights are random), with the
+    JSON's path checked."""
     p = argparse.ArgumentParser(prog="bench-quantization", description=__doc__.split("\n")[0])
     p.add_argument(
         "--model",
@@ -262,17 +279,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="KV context lengths, multiples of 256")  # fmt: skip
     p.add_argument("--agreement-tokens", type=int_at_least(1), default=64)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    p.add_argument("--output", type=Path, default=None, help="the JSON file to write")
+    p.add_argument(
+        "--json-output",
+        type=Path,
+        default=None,
+        help="default: benches/results/quantization-<model>-<layers>layers-<os>-<arch>.json",
+    )
     args = p.parse_args(argv)
     if any(c % 256 for c in args.contexts):
         p.error("--contexts must be multiples of 256 (the caches grow in blocks of 256)")
-    return args
+    bench_model = bench_model_or_exit(p, args.model, random=True, num_layers=args.num_layers)
+    if args.json_output is None:
+        slug = f"{args.model}-{bench_model.num_layers}layers-{platform.system().lower()}"
+        args.json_output = RESULTS / f"quantization-{slug}-{platform.machine()}.json"
+    check_outputs(p, args.json_output)
+    return args, bench_model
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    args, bench_model = parse_args(argv)
     device = choose_device(args.device)
-    bench_model = resolve_bench_model(args.model, random=True, num_layers=args.num_layers)
     longest = max(args.prefill_tokens, max(args.contexts) + args.decode_steps)
     limit = int(bench_model.config["max_position_embeddings"])
     if longest > limit:
@@ -293,7 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     started = time.perf_counter()
     if "weights" in args.parts or "kv" in args.parts:
-        ckpt = bench_model.load("float32")
+        try:
+            ckpt = bench_model.load("float32")
+        except CheckpointError as e:  # a config that could not be checked without the weights
+            raise SystemExit(f"error: {e}") from None
         if "weights" in args.parts:
             report["weights"] = weights_part(ckpt, args)
         if "kv" in args.parts:
@@ -305,13 +334,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp:
             report["agreement"] = agreement_part(args, Path(tmp))
     report["wall_s"] = time.perf_counter() - started
-    slug = f"{args.model}-{bench_model.num_layers}layers-{platform.system().lower()}-{platform.machine()}"
-    output = args.output or RESULTS / f"quantization-{slug}.json"
-    write_json(output, report)
-    print(f"wrote {output} ({report['wall_s']:.0f} s)")
+    write_json(args.json_output, report)
+    print(f"wrote {args.json_output} ({report['wall_s']:.0f} s)")
     return 0
 
 
 if __name__ == "__main__":
     reexec_with_openblas()
-    sys.exit(main())
+    sys.exit(startup.run(main))

@@ -13,6 +13,8 @@ Reported: tokens/s, time to first token, time per step and the share of the step
 collection; and the server's tokens/s as a fraction of the engine's.
 
     pdm run bench-serving-overhead [--model tiny] [--prompts 8] [--max-tokens 48] [--repeats 3]
+
+Writes benches/results/serving-overhead-<model>-linux-2cpu.json (or --json-output).
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ import threading
 import time
 from pathlib import Path
 
-from common import host_info, log, median, mlx_info, summarize, write_json
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
+from common import check_outputs, host_info, log, median, mlx_info, summarize, write_json
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
@@ -42,12 +50,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     p.add_argument("--batch-size", type=int, default=4, help="decode slots")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating")
-    p.add_argument("--out", type=Path, default=None, help="the JSON to write")
+    p.add_argument(
+        "--json-output",
+        type=Path,
+        default=None,
+        help="default: benches/results/serving-overhead-<model>-linux-2cpu.json",
+    )
     p.add_argument("--run", choices=["engine"], help=argparse.SUPPRESS)  # one engine run
     args = p.parse_args(argv)
     for name in ("prompts", "max_tokens", "batch_size", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.json_output is None:
+        args.json_output = RESULTS / f"serving-overhead-{args.model}-linux-2cpu.json"
+    check_outputs(p, args.json_output)
     return args
 
 
@@ -135,7 +151,10 @@ def run_server(args: argparse.Namespace, workdir: Path) -> dict:
     out = workdir / "serve.out"
     with open(out, "w") as stdout, open(workdir / "serve.err", "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "serve.py"), *flags], stdout=stdout, stderr=stderr
+            [sys.executable, str(ROOT / "serve.py"), *flags],
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,  # stopped by this process, in `finally` below
         )
     try:
         port = wait_for_port(proc, out)
@@ -206,7 +225,8 @@ def engine_in_fresh_process(args: argparse.Namespace) -> dict:
     cmd = [sys.executable, __file__, "--run", "engine", "--model", args.model]
     cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
     cmd += ["--batch-size", str(args.batch_size)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    # a session of its own: Ctrl-C reaches this process alone, which stops the run
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True, start_new_session=True)
     return json.loads(done.stdout)
 
 
@@ -215,7 +235,6 @@ def main(argv=None) -> int:
     if args.run == "engine":
         print(json.dumps(run_engine(args)))
         return 0
-    out = args.out or RESULTS / f"serving-overhead-{args.model}-linux-2cpu.json"
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
@@ -241,15 +260,16 @@ def main(argv=None) -> int:
     settings = {k: getattr(args, k) for k in ("model", "prompts", "max_tokens", "batch_size")}
     report = {"host": host_info(), "mlx": mlx_info(), "settings": settings, "runs": runs}
     report["summary"] = summary
-    write_json(out, report)
+    write_json(args.json_output, report)
     for mode in ("engine", "server"):
         s = summary[mode]
         print(f"{mode:7s} {s['tokens_per_s']:8.1f} tok/s  TTFT p50 {s['ttft_ms_median']:7.1f} ms")
     print(f"server / engine: {summary['server_over_engine']:.2f}; collection is "
-          f"{summary['engine']['collect_share']:.1%} of an engine step; JSON: {out}")  # fmt: skip
+          f"{summary['engine']['collect_share']:.1%} of an engine step")  # fmt: skip
+    print(f"wrote {args.json_output}")
     return 0
 
 
 if __name__ == "__main__":
     os.environ.setdefault("TINY_LLM_NO_OPENBLAS", "1")  # the tiny model needs no fast BLAS
-    sys.exit(main())
+    sys.exit(startup.run(main))

@@ -30,6 +30,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
 import common
 import mlx.core as mx
 from common import BenchModel, log, median
@@ -245,7 +251,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-steps", type=int_at_least(1), default=16, help="timed decode steps")
     b.add_argument("--repeats", type=int_at_least(1), default=3, help="timed rounds of speeds")
     b.add_argument("--no-speeds", action="store_true", help="skip the speed comparison")
-    b.add_argument("--json-output", type=Path, default=None)
+    b.add_argument(
+        "--json-output",
+        type=Path,
+        default=None,
+        help="default: benches/results/shape-stable-<model>-<layers>l.json",
+    )
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
 
@@ -263,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return child(args.child)
     model = common.bench_model_from_args(parser, args)
+    if args.json_output is None:
+        args.json_output = common.RESULTS / f"shape-stable-{model.name}-{model.num_layers}l.json"
+    common.check_outputs(parser, args.json_output)
     args.dtype = args.dtype or default_dtype("cpu")
     started = time.time()
     lengths = [min(n, int(model.config["max_position_embeddings"]) - 64) for n in PROMPT_LENGTHS]
@@ -290,7 +304,9 @@ def main(argv: list[str] | None = None) -> int:
             spec_path.write_text(json.dumps(spec))
             t = time.perf_counter()
             proc = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)], env=env
+                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
+                env=env,
+                start_new_session=True,  # Ctrl-C reaches this process alone, which stops it
             )
             if proc.returncode:
                 raise SystemExit(f"{config} failed with exit status {proc.returncode}")
@@ -319,9 +335,8 @@ def main(argv: list[str] | None = None) -> int:
         "configs": {r["config"]: r for r in results},
         "speeds": speeds,
     }
-    out = args.json_output or common.RESULTS / f"shape-stable-{model.name}-{model.num_layers}l.json"
-    common.write_json(out, report)
-    log(f"wrote {out}")
+    common.write_json(args.json_output, report)
+    log(f"wrote {args.json_output}")
     for r in results:
         log(
             f"{r['config']:>22}: widths {r['prefill_widths']}, compiles {r['compiles']}, "
@@ -333,4 +348,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(startup.run(main))

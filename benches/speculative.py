@@ -68,6 +68,7 @@ from common import (
     add_model_arguments,
     bench_model_from_args,
     blas_info,
+    check_outputs,
     device_name,
     host_info,
     log,
@@ -79,6 +80,7 @@ from common import (
     plan_runs,
     probe_openblas_core,
     relative_path,
+    replace_file,
     resolve_bench_model,
     run_fresh,
     write_json,
@@ -306,11 +308,10 @@ def read_trace(path: Path) -> tuple[dict[str, Any], str]:
 
 def write_traces(directory: Path, model: BenchModel) -> int:
     ckpt_tokenizer = _tokenizer_of(model)
-    directory.mkdir(parents=True, exist_ok=True)
     for name in TRACE_NAMES:
         path = directory / f"speculative-{name}.json"
         text = make_trace_file(name, ckpt_tokenizer)
-        path.write_text(text, encoding="ascii")
+        replace_file(path, text, encoding="ascii")
         sha = hashlib.sha256(text.encode("ascii")).hexdigest()
         log(f"wrote {path}: sha256 {sha}")
     return 0
@@ -1084,6 +1085,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return child_main(args.child_spec)
     model, modes = check_args(parser, args)
     if args.write_traces is not None:
+        check_outputs(parser, *(args.write_traces / f"speculative-{n}.json" for n in TRACE_NAMES))
         return write_traces(args.write_traces, model)
     tokenizer = _tokenizer_of(model)
     prompts, about = load_traces(parser, args, model, tokenizer)
@@ -1100,6 +1102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json_output = default_json_path(model)
     if args.plot_output is None:
         args.plot_output = args.json_output.with_suffix(".png")
+    check_outputs(parser, args.json_output, None if args.no_plot else args.plot_output)
     report = run_benchmark(args, model, modes, prompts, about, warmup)
     write_json(args.json_output, report)
     log(f"wrote {args.json_output}")

@@ -21,7 +21,7 @@ hidden_size values per token, so 2 x layers x hidden_size x bytes-per-value per 
     pdm run bench-tensor-parallel --num-layers 2 --prefill-len 32 --context 32 \\
         --decode-steps 4 --repeats 1                    # a smoke run, under a minute
 
-Writes benches/results/tensor-parallel-<model>[-<n>layers].json (or --out).
+Writes benches/results/tensor-parallel-<model>[-<n>layers].json (or --json-output).
 """
 
 from __future__ import annotations
@@ -38,13 +38,26 @@ import tempfile
 import time
 from pathlib import Path
 
+from tiny_llm_support import startup
+
+if __name__ == "__main__":
+    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
+
+# ruff: noqa: E402 (the imports below load MLX)
 import mlx.core as mx
 from ceilings import timed
-from common import EMBEDDED_CONFIGS, BenchModel, resolve_bench_model
+from common import (
+    EMBEDDED_CONFIGS,
+    RESULTS,
+    BenchModel,
+    check_outputs,
+    replace_file,
+    resolve_bench_model,
+)
 
 from tiny_llm_support import Qwen3Config, blas_info
 from tiny_llm_support.cli import DTYPES, add_solution_argument, int_at_least, load_solution
-from tiny_llm_support.launch import launch
+from tiny_llm_support.launch import group_problem, launch
 
 ALL_SUM_REPEATS = 20
 
@@ -152,8 +165,8 @@ def run_ranks(args: argparse.Namespace, ranks: int, argv: list[str]) -> list[dic
     with tempfile.TemporaryDirectory() as tmp:
         command = [str(Path(__file__).resolve()), *argv, "--worker-ranks", str(ranks)]
         command += ["--out-dir", tmp]
-        if ranks == 1:
-            status = subprocess.call([sys.executable, *command])
+        if ranks == 1:  # a session of its own, as the ranks: Ctrl-C reaches this process alone
+            status = subprocess.call([sys.executable, *command], start_new_session=True)
         else:
             status = launch(command, ranks)
         found = [Path(tmp, f"rank{r}.json") for r in range(ranks)]
@@ -163,10 +176,12 @@ def run_ranks(args: argparse.Namespace, ranks: int, argv: list[str]) -> list[dic
 
 
 def communication(config: Qwen3Config, dtype: mx.Dtype, ranks: int) -> dict:
-    """What the two all-reduces per block move for one token (arithmetic, not measured)."""
-    per_token = 2 * config.num_hidden_layers * config.hidden_size * dtype.size
+    """What the two all-reduces per block move for one token (arithmetic, not measured); one
+    rank reduces nothing."""
+    sharded = ranks > 1
+    per_token = 2 * config.num_hidden_layers * config.hidden_size * dtype.size * sharded
     return {
-        "all_reduces_per_forward_pass": 2 * config.num_hidden_layers,
+        "all_reduces_per_forward_pass": 2 * config.num_hidden_layers * sharded,
         "bytes_all_reduced_per_token": per_token,
         # a ring all-reduce sends (and receives) 2 (N - 1) / N of the message on every rank
         "bytes_sent_per_rank_per_token": per_token * 2 * (ranks - 1) / ranks,
@@ -222,7 +237,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=positive, default=512, help="tokens cached before decode")
     p.add_argument("--decode-steps", type=positive, default=32)
     p.add_argument("--repeats", type=positive, default=3, help="prefill passes measured")
-    p.add_argument("--out", type=Path, default=None, help="JSON path (default: benches/results)")
+    p.add_argument(
+        "--json-output",
+        type=Path,
+        default=None,
+        help="default: benches/results/tensor-parallel-<model>[-<n>layers].json",
+    )
     p.add_argument("--worker-ranks", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     return p
@@ -230,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.worker_ranks is not None:
         return worker(args)
     config = bench_model(args).qwen3_config
@@ -241,13 +262,12 @@ def main(argv: list[str] | None = None) -> int:
             f"the model's max_position_embeddings ({config.max_position_embeddings})"
         )
     for ranks in args.ranks:
-        for size, what in [
-            (config.num_attention_heads, "num_attention_heads"),
-            (config.num_key_value_heads, "num_key_value_heads"),
-            (config.intermediate_size, "intermediate_size"),
-        ]:
-            if size % ranks:
-                sys.exit(f"error: {what} = {size} does not divide by {ranks} ranks")
+        problem = group_problem(config, ranks)
+        if problem:
+            parser.error(f"--ranks {ranks}: {problem}")
+    layers = "" if args.num_layers is None else f"-{config.num_hidden_layers}layers"
+    out = args.json_output or RESULTS / f"tensor-parallel-{args.model}{layers}.json"
+    check_outputs(parser, out)
     started = time.time()
     runs = {}
     for ranks in args.ranks:
@@ -258,14 +278,13 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{ranks} rank(s): prefill {args.prefill_len} tokens {row['prefill_ms']:.1f} ms, "
             f"decode step {row['decode_step_ms']:.1f} ms, weights per rank "
-            f"{', '.join(f'{m:.0f}' for m in row['weights_mib_per_rank'])} MiB, "
-            f"all-reduced per token {row['bytes_all_reduced_per_token']} bytes"
+            f"{', '.join(f'{m:.0f}' for m in row['weights_mib_per_rank'])} MiB"
+            + (
+                f", all-reduced per token {row['bytes_all_reduced_per_token']} bytes"
+                if ranks > 1
+                else ""
+            )
         )
-    layers = "" if args.num_layers is None else f"-{config.num_hidden_layers}layers"
-    out = (
-        args.out or Path(__file__).parent / "results" / f"tensor-parallel-{args.model}{layers}.json"
-    )
-    out.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "benchmark": "tensor-parallel",
         "arguments": {k: v for k, v in vars(args).items() if k not in ("worker_ranks", "out_dir")},
@@ -275,7 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         "by_ranks": rows,
         "runs": {str(k): v for k, v in runs.items()},
     }
-    out.write_text(json.dumps(record, indent=1, default=str) + "\n")
+    replace_file(out, json.dumps(record, indent=1, default=str) + "\n")
     print(f"wrote {out}")
     return 0
 
@@ -284,4 +303,4 @@ if __name__ == "__main__":
     from tiny_llm_support.cli import reexec_with_openblas
 
     reexec_with_openblas()  # the ranks inherit the preloaded OpenBLAS
-    sys.exit(main())
+    sys.exit(startup.run(main))

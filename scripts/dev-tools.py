@@ -1,4 +1,8 @@
-"""Developer commands behind `pdm run test`, `test-refsol`, `make-skeleton` and `check-course`."""
+"""Developer commands behind `pdm run test`, `test-refsol`, `make-skeleton` and `check-course`.
+
+Ctrl-C and SIGTERM end every command with one line (`interrupted`, status 130; `terminated`,
+143); check-course first stops the pytest runs it started and removes its temporary copies.
+"""
 
 import argparse
 import importlib
@@ -6,11 +10,16 @@ import inspect
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from tiny_llm_support import startup
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
@@ -237,8 +246,49 @@ def junit_cases(xml_path: Path) -> list[tuple[str, str | None]]:
     return cases
 
 
+class Runs:
+    """The pytest processes of run_days: stop() stops those running, and no more start."""
+
+    lock = threading.Lock()
+    running: set[subprocess.Popen] = set()
+    stopped = False
+
+    @classmethod
+    def run(cls, cmd: list[str], env: dict) -> bool:
+        """Run `cmd` to its end; False when stop() came first, so that it never started."""
+        with cls.lock:
+            if cls.stopped:
+                return False
+            out = subprocess.DEVNULL
+            # a session of its own: Ctrl-C reaches check-course alone, which stops the run
+            proc = subprocess.Popen(
+                cmd, cwd=ROOT, env=env, stdout=out, stderr=out, start_new_session=True
+            )
+            cls.running.add(proc)
+        proc.wait()
+        with cls.lock:
+            cls.running.discard(proc)
+        return True
+
+    @classmethod
+    def stop(cls, grace_s: float = 10.0) -> None:
+        """Ctrl-C to every run (pytest stops, its tests clean up), then SIGKILL to any run
+        still there after grace_s seconds."""
+        with cls.lock:
+            cls.stopped = True
+            running = list(cls.running)
+        for proc in running:
+            proc.send_signal(signal.SIGINT)
+        for proc in running:
+            try:
+                proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def run_day(path: Path, env: dict, workdir: Path) -> list[tuple[str, str | None]]:
-    xml = workdir / f"{path.stem}.xml"
+    xml = Path(tempfile.mkstemp(suffix=".xml", prefix=path.stem, dir=workdir)[1])
+    xml.unlink()  # pytest writes it; a run that dies leaves none
     cmd = [
         sys.executable,
         "-m",
@@ -250,10 +300,22 @@ def run_day(path: Path, env: dict, workdir: Path) -> list[tuple[str, str | None]
         "no:cacheprovider",
         f"--junitxml={xml}",
     ]
-    subprocess.run(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if not Runs.run(cmd, {**env, "TMPDIR": str(workdir)}):  # what tests leave goes with workdir
+        return [(path.name, "stopped")]
     if not xml.exists():
         return [(path.name, "pytest did not run")]
     return junit_cases(xml)
+
+
+def run_days(runs: list[tuple[Path, dict]], workdir: Path) -> list[list[tuple[str, str | None]]]:
+    """run_day for every (test file, environment), as many at once as there are CPUs (each is
+    its own pytest process); the results in the order of `runs`."""
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        try:
+            return list(pool.map(lambda run: run_day(*run, workdir), runs))
+        except BaseException:  # Ctrl-C or SIGTERM: the pool waits for its runs, so stop them
+            Runs.stop()
+            raise
 
 
 def env_with_path(first: Path) -> dict:
@@ -266,8 +328,8 @@ def check_skeleton(days: dict, workdir: Path) -> list[str]:
     """Every test of every day fails on the untouched skeleton, naming a task."""
     problems = []
     env = env_with_path(SRC)
-    for (week, day), path in days.items():
-        cases = run_day(path, env, workdir)
+    results = run_days([(path, env) for path in days.values()], workdir)
+    for (week, day), cases in zip(days, results):
         print(f"  skeleton   week {week} day {day}: {len(cases)} tests", flush=True)
         for name, failure in cases:
             if failure is None:
@@ -285,7 +347,7 @@ def task_days(task: str) -> set[tuple[int, int]]:
 def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> list[str]:
     """With every other task solved, each task alone left as a stub makes a test of its day
     fail naming it: no task is out of the tests' reach, however far down a call chain."""
-    problems = []
+    runs, owners = [], []  # a run per (task, test file of its days); owners: its task
     for number, task in enumerate(tasks):
         paths = [days[d] for d in sorted(task_days(task)) if d in days]
         if not paths:
@@ -294,8 +356,14 @@ def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> li
         (package / "tiny_llm").mkdir(parents=True)
         for name, text in generate_skeleton(stub=task.__eq__).items():
             (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
-        failures = [f for path in paths for _, f in run_day(path, env_with_path(package), workdir)]
-        named = any(f and task in f for f in failures)
+        runs += [(path, env_with_path(package)) for path in paths]
+        owners += [task] * len(paths)
+    failures: dict[str, list[str | None]] = {task: [] for task in owners}
+    for task, cases in zip(owners, run_days(runs, workdir)):
+        failures[task] += [f for _, f in cases]
+    problems = []
+    for task, found in failures.items():
+        named = any(f and task in f for f in found)
         print(f"  one stub   {task[:70]}: {'named' if named else 'NOT NAMED'}", flush=True)
         if not named:
             problems.append(
@@ -308,14 +376,16 @@ def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> list[str
     """A student can do the days in order: with the tasks of every day up to D solved and all
     later ones stubs, day D's tests pass, or fail only on a task that day D itself names (a task
     that spans two days, like chunking try_prefill, is a stub until its last day)."""
-    problems = []
+    runs = []
     for (week, day), path in days.items():
         package = workdir / f"up-to-{week}-{day}"
         (package / "tiny_llm").mkdir(parents=True)
         solved = lambda task, until=(week, day): max(task_days(task)) <= until
         for name, text in generate_skeleton(stub=lambda t, ok=solved: not ok(t)).items():
             (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
-        cases = run_day(path, env_with_path(package), workdir)
+        runs.append((path, env_with_path(package)))
+    problems = []
+    for (week, day), cases in zip(days, run_days(runs, workdir)):
         print(f"  in order   week {week} day {day}: {len(cases)} tests", flush=True)
         for name, failure in cases:
             if failure is None:
@@ -342,8 +412,8 @@ def check_pasted_reference(days: dict, workdir: Path) -> list[str]:
             shutil.copy(module, copy / "tiny_llm" / module.name)
     env = env_with_path(copy)
     problems = []
-    for (week, day), path in days.items():
-        cases = run_day(path, env, workdir)
+    results = run_days([(path, env) for path in days.values()], workdir)
+    for ((week, day), path), cases in zip(days.items(), results):
         print(f"  reference  week {week} day {day}: {len(cases)} tests", flush=True)
         problems += [
             f"{name} fails with the reference pasted in:\n{failure}"
@@ -403,4 +473,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(startup.run(main))

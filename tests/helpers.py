@@ -231,6 +231,29 @@ def run_ranks(script, args: list[str], out_dir, ranks: int = 2, timeout: float =
     return found
 
 
+def rank_check_problems(script, args: list[str], out_dir, names: list[str]) -> list[str]:
+    """Run a rank script's checks on two ranks (run_ranks) and return one line per check that
+    failed on a rank. Skips (fails under TINY_LLM_REQUIRE_RANKS=1) where ranks cannot start;
+    fails at once when a rank died or did not run every check in `names`."""
+    try:
+        found = run_ranks(script, args, out_dir, 2, timeout=240)
+    except FileNotFoundError as e:  # no mlx.launch
+        ranks_cannot_start(str(e))
+    problems = []
+    for rank in (0, 1):
+        report = found[rank] or {}
+        if report.get("init_error"):
+            ranks_cannot_start(report["init_error"])
+        if report.get("died"):
+            pytest.fail(f"rank {rank} died: {report['died']}\n{found['output']}", pytrace=False)
+        checks = report.get("checks", {})
+        missing = [name for name in names if name not in checks]
+        if missing:
+            pytest.fail(f"rank {rank} did not run {missing}\n{found['output']}", pytrace=False)
+        problems += [f"rank {rank}, {name}: {err}" for name, err in checks.items() if err]
+    return problems
+
+
 def assert_all_pages_free(pools, why: str) -> None:
     """Every page of every pool is back on its free list; the message names the leak."""
     in_use = [pool.num_in_use for pool in pools]

@@ -19,7 +19,7 @@ import huggingface_hub
 import pytest
 from helpers import offline_env
 
-from tiny_llm_support import SHORTCUTS, make_tiny_checkpoint
+from tiny_llm_support import SHORTCUTS, make_tiny_checkpoint, make_tiny_moe_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "batch-main.py"
@@ -165,12 +165,14 @@ def test_unknown_model_lists_the_shortcuts(demo, tmp_path, capsys):
         assert name in err
 
 
-@pytest.mark.parametrize("how", ["directory", "shortcut"])
+@pytest.mark.parametrize("how", ["directory", "shortcut", "moe-directory"])
 def test_hf_layout_checkpoint_loads_like_a_download(demo, tmp_path, monkeypatch, capsys, how):
     """A checkpoint in Hugging Face layout (sharded, with an index) runs when given as a
-    directory, and when snapshot_download hands it back for a shortcut name."""
-    ckpt = make_tiny_checkpoint(tmp_path / "Qwen3-local", seed=3, shards=2)
-    if how == "directory":
+    directory, and when snapshot_download hands it back for a shortcut name; a Qwen3-MoE
+    checkpoint (Week 4 Day 6, one tensor per expert) runs from its directory."""
+    make = make_tiny_moe_checkpoint if how == "moe-directory" else make_tiny_checkpoint
+    ckpt = make(tmp_path / "Qwen3-local", seed=3, shards=2)
+    if how != "shortcut":
         model = str(ckpt)
     else:
         model = "qwen3-0.6b"
@@ -325,6 +327,35 @@ def test_prefix_cache_shares_the_paragraph_and_answers_the_same(demo, capsys, tm
     assert prefilled[0] - prefilled[1] == int(found[1])
 
 
+def test_speculative_brings_the_hybrid_policy(demo):
+    """Week 4 Day 5: the policy is alternate unless --speculative asks for hybrid."""
+    plain = demo.parse_args(SMALL)
+    assert (plain.policy, plain.speculative, plain.num_draft_tokens) == ("alternate", None, None)
+    spec = demo.parse_args([*SMALL, "--speculative", "ngram"])
+    assert (spec.policy, spec.speculative, spec.num_draft_tokens) == ("hybrid", "ngram", 4)
+    apart = demo.parse_args([*SMALL, "--speculative", "ngram", "--policy", "alternate"])
+    assert apart.policy == "alternate", "an explicit --policy alternate stays (4.5 runs under it)"
+
+
+@pytest.mark.parametrize("source, how", [("ngram", "prompt lookup"), ("tiny", "draft model tiny")])
+def test_speculative_answers_like_plain_decoding(
+    demo, capsys, tmp_path, eager_answers, source, how
+):
+    """Week 4 Day 5: guesses checked in the hybrid pass change no greedy answer; the run ends
+    with the guesses made and kept (the draft is the model itself: it guesses right)."""
+    out = demo_run(demo, capsys, tmp_path, "--speculative", source, "--num-draft-tokens", "3")
+    assert f"speculative decoding: {how}, up to 3 guesses per request and pass" in out
+    assert "hybrid policy" in out
+    check_answers(out, 6)
+    assert answers(out) == eager_answers
+    counts = re.search(r"^speculative decoding: (\d+) tokens proposed, (\d+) accepted", out, re.M)
+    assert counts, out
+    proposed, accepted = int(counts[1]), int(counts[2])
+    assert 0 < accepted <= proposed
+    if source == "tiny":
+        assert accepted > proposed / 2
+
+
 @pytest.mark.parametrize(
     "args, words",
     [
@@ -340,6 +371,10 @@ def test_prefix_cache_shares_the_paragraph_and_answers_the_same(demo, capsys, tm
             "--max-pages N",
         ),
         (["--policy", "fastest"], "invalid choice: 'fastest'"),
+        (
+            ["--num-draft-tokens", "2"],
+            "--num-draft-tokens is how many tokens --speculative guesses: add --speculative ngram",
+        ),
     ],
 )
 def test_scheduler_settings_checked_before_anything_runs(demo, capsys, args, words):
@@ -366,6 +401,7 @@ def student_with(tmp_path: Path, unfinished: str) -> dict:
         ("flash_attention", ["--max-pages", "8"], "Week 3 Day 5, Task"),
         ("memory_planning", ["--max-pages", "8", "--gather"], "Week 3 Day 6, Task"),
         ("prefix_cache", ["--max-pages", "8", "--prefix-cache"], "Week 4 Day 4, Task"),
+        ("speculative", ["--speculative", "ngram"], "Week 4 Day 5, Task"),
     ],
 )
 def test_a_setting_whose_day_is_not_written_names_the_task(tmp_path, unfinished, args, task):
@@ -379,6 +415,8 @@ def test_a_setting_whose_day_is_not_written_names_the_task(tmp_path, unfinished,
         assert "--gather serves the pages without Week 3 Day 5" in lines[0]
     if unfinished == "prefix_cache":
         assert "--no-prefix-cache serves the pages without Week 4 Day 4" in lines[0]
+    if unfinished == "speculative":
+        assert "without --speculative batch-main runs without Week 4 Day 5" in lines[0]
     assert "Traceback" not in result.stdout + result.stderr
 
 

@@ -18,7 +18,7 @@ quantization = load_bench("quantization")
 def test_bench_quantization_smoke(tmp_path):
     model = make_tiny_checkpoint(tmp_path / "tiny", head_dim=64)
     output = tmp_path / "out.json"
-    args = ["--model", str(model), "--device", "cpu", "--output", str(output)]
+    args = ["--model", str(model), "--device", "cpu", "--json-output", str(output)]
     args += ["--prefill-tokens", "8", "--decode-steps", "1", "--repeats", "1"]
     args += ["--contexts", "256", "--agreement-tokens", "4"]
     assert quantization.main(args) == 0

@@ -12,7 +12,7 @@ serving_overhead = load_bench("serving_overhead")
 
 def test_bench_serving_overhead_smoke(tmp_path):
     out = tmp_path / "out.json"
-    args = ["--prompts", "2", "--max-tokens", "2", "--repeats", "1", "--out", str(out)]
+    args = ["--prompts", "2", "--max-tokens", "2", "--repeats", "1", "--json-output", str(out)]
     assert serving_overhead.main(args) == 0
     report = json.loads(out.read_text())
     assert [run["mode"] for run in report["runs"]] == ["engine", "server"]

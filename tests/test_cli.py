@@ -1,5 +1,5 @@
-"""The command line as a new user meets it: bad input and Ctrl-C in main.py, batch-main.py and
-the chunked-prefill benchmark, each run as a subprocess on damaged copies of a tiny checkpoint.
+"""The command line as a new user meets it: bad input, Ctrl-C and SIGTERM in main.py,
+batch-main.py, serve.py, the benchmarks and the dev tools, on damaged copies of a tiny checkpoint.
 
 Every bad input ends in one line that says what is wrong (with the file, the tensor or the
 numbers) and a non-zero exit, never a traceback; Ctrl-C prints `interrupted` and exits 130,
@@ -7,6 +7,9 @@ leaving no process and no temporary file behind. Also pdm's pre_run hook: it syn
 pdm.lock or pyproject.toml changed. Not a day file: no network, the same on the skeleton.
 """
 
+import importlib.util
+import json
+import math
 import os
 import re
 import shutil
@@ -98,7 +101,77 @@ def damaged_copy(good: Path, tmp_path: Path, how: str) -> Path:
         tensors = dict(mx.load(str(weights)))
         tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(mx.int32)
         mx.save_safetensors(str(weights), tensors)
+    elif how in EDITS:
+        EDITS[how](path)
     return path
+
+
+def edit_json(file: Path, **values) -> None:
+    file.write_text(json.dumps({**json.loads(file.read_text()), **values}))
+
+
+def poison(path: Path, name: str, value: float) -> None:
+    """One element of tensor `name` set to `value` (NaN, inf)."""
+    weights = path / "model.safetensors"
+    tensors = dict(mx.load(str(weights)))
+    flat = tensors[name].flatten()
+    flat[3] = value
+    tensors[name] = flat.reshape(tensors[name].shape)
+    mx.save_safetensors(str(weights), tensors)
+
+
+def shrink_vocab(path: Path, rows: int) -> None:
+    """The config and the (tied) embedding `rows` tokens smaller than the tokenizer, as if
+    the tokenizer came from another model."""
+    weights = path / "model.safetensors"
+    tensors = dict(mx.load(str(weights)))
+    embed = tensors["model.embed_tokens.weight"]
+    tensors["model.embed_tokens.weight"] = embed[: embed.shape[0] - rows]
+    mx.save_safetensors(str(weights), tensors)
+    edit_json(path / "config.json", vocab_size=embed.shape[0] - rows)
+
+
+def shard_elsewhere(path: Path, absolute: bool) -> None:
+    """model.safetensors moved to a folder beside the checkpoint, and an index that names it
+    there: by an absolute path, or by one that goes up (`../`)."""
+    other = path.parent / f"{path.name}-other"
+    other.mkdir()
+    (path / "model.safetensors").rename(other / "model.safetensors")
+    entry = str(other / "model.safetensors") if absolute else f"../{other.name}/model.safetensors"
+    names = mx.load(str(other / "model.safetensors"))
+    index = {"metadata": {}, "weight_map": dict.fromkeys(names, entry)}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def template(text: str):
+    return lambda path: edit_json(path / "tokenizer_config.json", chat_template=text)
+
+
+def config(**values):
+    return lambda path: edit_json(path / "config.json", **values)
+
+
+# checkpoints that load without complaint from the files alone, but hold something wrong
+EDITS = {
+    "nan-weight": lambda path: poison(path, "model.layers.1.mlp.down_proj.weight", math.nan),
+    "inf-weight": lambda path: poison(path, "model.norm.weight", -math.inf),
+    "big-tokenizer": lambda path: shrink_vocab(path, 8),
+    "rope-nan": config(rope_theta=math.nan),
+    "layers-1e9": config(num_hidden_layers=1e9),
+    "positions-1e12": config(max_position_embeddings=10**12),
+    "index-up": lambda path: shard_elsewhere(path, absolute=False),
+    "index-absolute": lambda path: shard_elsewhere(path, absolute=True),
+    "template-syntax": template("{% if %}{{ messages }}"),
+    "template-sandbox": template("{{ messages.__class__.__mro__[1].__subclasses__() }}"),
+    "template-raises": template("{{ raise_exception('roles must alternate user/assistant') }}"),
+    "template-type": template("{{ messages + 1 }}"),
+    "heads-5": config(num_attention_heads=5, num_key_value_heads=1),
+    "kv-heads-1": config(num_key_value_heads=1),
+    "mlp-129": config(intermediate_size=129),
+    "experts-3": config(
+        model_type="qwen3_moe", num_experts=3, num_experts_per_tok=1, moe_intermediate_size=32
+    ),
+}
 
 
 DAMAGE = {
@@ -179,6 +252,228 @@ def test_bench_refuses_requests_longer_than_the_positions(tmp_path):
     assert result.returncode == 2
     assert "exceeds the model's max_position_embeddings (2048)" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --- the bad-input table --------------------------------------------------------------------
+# Each kind of bad input that a new user's first hour turned up, as (entry points, arguments,
+# exit status, words the error line must hold). Every entry point named runs the case through
+# its main(argv), in this process (a subprocess would cost a second or two a case), and must
+# end with that status and one error line, no traceback. `@how` in the arguments stands for
+# damaged_copy(good, tmp_path, how), and `%name` the path tmp_path/name, where tmp_path holds
+# a file `a-file` and a folder `a-folder`. A new entry point joins by its name in ENTRY_POINTS
+# and in the cases that apply to it (ALL: every demo that loads a checkpoint; BENCHES: every
+# benchmark, which checks its model and its output before its first run).
+
+ENTRY_POINTS = {
+    "main": ["main.py", "--max-tokens", "2"],
+    "batch-main": ["batch-main.py", "--num-prompts", "2", "--max-seq-len", "96", "--plain"],
+    "serve": ["serve.py", "--port", "0", "--max-seq-len", "96"],
+    "bench-chunked-prefill": ["benches/chunked_prefill.py"],
+    "bench-flash-attention": ["benches/flash_attention.py", "--no-openblas"],
+    "bench-model": ["benches/model.py", "--no-openblas"],
+    "bench-prefix-cache": ["benches/prefix_cache.py"],
+    "bench-quantization": ["benches/quantization.py"],
+    "bench-serving-overhead": ["benches/serving_overhead.py"],
+    "bench-shape-stable": ["benches/shape_stable.py"],
+    "bench-speculative": ["benches/speculative.py"],
+    "bench-tensor-parallel": ["benches/tensor_parallel.py"],
+}
+ALL = ("main", "batch-main", "serve")
+SERVERS = ("batch-main", "serve")  # the scheduler's flags
+RANKS = ("main", "batch-main")  # --tp
+BENCHES = tuple(name for name in ENTRY_POINTS if name.startswith("bench-"))
+# the benchmarks that check a checkpoint's --model before their first run (bench-serving-overhead
+# reads it in its runs only, bench-tensor-parallel takes a shape's name), and those of them that
+# read its weights (bench-quantization takes only its shape, with random weights)
+NO_CHECKPOINT = ("bench-serving-overhead", "bench-tensor-parallel")
+BENCH_MODELS = tuple(b for b in BENCHES if b not in NO_CHECKPOINT)
+BENCH_WEIGHTS = tuple(b for b in BENCH_MODELS if b != "bench-quantization")
+
+SILENT_WRONG_ANSWERS = [
+    (ALL, ["--model", "@nan-weight"], 1,
+     ["model.safetensors: tensor model.layers.1.mlp.down_proj.weight", "NaN or infinite"]),
+    (ALL, ["--model", "@inf-weight"], 1, ["tensor model.norm.weight", "NaN or infinite"]),
+    (ALL, ["--model", "@big-tokenizer"], 1,
+     ["tokenizer.json: the tokenizer has token ids up to 660", "vocab_size is 653"]),
+    (ALL, ["--model", "@rope-nan"], 1, ["config.json: rope_theta", "positive finite", "nan"]),
+    (["main"], ["--prompt", ""], 1, ["the prompt is empty or only whitespace"]),
+    (["main"], ["--prompt", "   "], 1, ["the prompt is empty or only whitespace"]),
+    (["main"], ["--prompt", "\n\t "], 1, ["the prompt is empty or only whitespace"]),
+]  # fmt: skip
+
+CHECKPOINT_CONTENTS = [
+    (ALL, ["--model", "@index-up"], 1,
+     ["model.safetensors.index.json: weight_map puts", "'../", "outside the checkpoint"]),
+    (ALL, ["--model", "@index-absolute"], 1,
+     ["model.safetensors.index.json: weight_map puts", "'/", "outside the checkpoint"]),
+    (ALL, ["--model", "@template-syntax"], 1,
+     ["tokenizer_config.json: the chat template failed", "line 1"]),
+    (ALL, ["--model", "@template-sandbox"], 1,
+     ["tokenizer_config.json: the chat template was refused by the sandbox", "unsafe"]),
+    (ALL, ["--model", "@template-raises"], 1,
+     ["tokenizer_config.json: the chat template failed: roles must alternate"]),
+    (ALL, ["--model", "@template-type"], 1,
+     ["tokenizer_config.json: the chat template failed", "list"]),
+    (BENCH_MODELS, ["--model", "@config-json"], 1, ["config.json: not valid JSON"]),
+    (BENCH_MODELS, ["--model", "@config-list"], 1, ["config.json: expected a JSON object"]),
+    (BENCH_WEIGHTS, ["--model", "@half"], 1,
+     ["model.safetensors: truncated or not a safetensors file"]),
+    (BENCH_WEIGHTS, ["--model", "@five-bytes"], 1, ["model.safetensors: not a safetensors file"]),
+]  # fmt: skip
+
+NUMBERS_MLX_CANNOT_TAKE = [
+    (["main"], ["--seed", "-1"], 2, ["--seed", "expected an integer >= 0, got -1"]),
+    (["main"], ["--seed", str(2**70)], 2, ["--seed", f"<= {2**64 - 1}, got {2**70}"]),
+    (SERVERS, ["--page-size", "1000000000"], 2, ["--page-size 1000000000", "--max-seq-len 96"]),
+    (["serve"], ["--batch-size", "1000000000"], 2,
+     ["--batch-size 1000000000 rows of --max-seq-len 96 tokens need", "GiB of KV cache"]),
+    (["serve"], ["--max-pages", "64", "--batch-size", "100"], 2,
+     ["--batch-size 100 is more than --max-pages 64"]),
+    (ALL, ["--model", "@layers-1e9"], 1,
+     ["config.json: num_hidden_layers is 1000000000", "at most 1024 layers"]),
+    (ALL, ["--model", "@positions-1e12"], 1,
+     ["config.json: max_position_embeddings is 1000000000000", "at most 1048576 positions"]),
+]  # fmt: skip
+
+TOO_MANY_RANKS = max(2, os.cpu_count() or 1) + 1  # more than this machine runs without a hostfile
+
+# refused before any rank starts (the status of a rank that fails: test_a_failed_rank_...)
+WRONG_EXIT_STATUS = [
+    (RANKS, ["--tp", "0"], 2, ["--tp", "expected an integer >= 1, got 0"]),
+    (RANKS, ["--tp", "65"], 2, ["--tp", "expected an integer <= 64, got 65"]),
+    (RANKS, ["--tp", str(TOO_MANY_RANKS)], 2, ["--tp", str(TOO_MANY_RANKS)]),
+    (RANKS, ["--model", "@heads-5", "--tp", "2"], 2,
+     ["--tp 2: the model's num_attention_heads (5) does not divide into 2 equal shares"]),
+    (RANKS, ["--model", "@kv-heads-1", "--tp", "2"], 2, ["--tp 2", "num_key_value_heads (1)"]),
+    (RANKS, ["--model", "@mlp-129", "--tp", "2"], 2, ["--tp 2", "intermediate_size (129)"]),
+    (RANKS, ["--model", "@experts-3", "--tp", "2"], 2, ["--tp 2", "num_experts (3)"]),
+    (RANKS, ["--model", "@config-json", "--tp", "2"], 1, ["config.json: not valid JSON"]),
+]  # fmt: skip
+
+# an output the benchmark could not write at the end, refused before its first run
+OUTPUT_PATHS = [
+    (BENCHES, ["--json-output", "%a-folder"], 2, ["a-folder is a directory"]),
+    (BENCHES, ["--json-output", "%a-file/out.json"], 2,
+     ["cannot write", "a-file/out.json", "a-file is not a folder"]),
+    (BENCHES, ["--json-output", "/proc/out.json"], 2,
+     ["cannot write /proc/out.json: no file can be made in /proc"]),
+    (["bench-chunked-prefill", "bench-flash-attention", "bench-prefix-cache"],
+     ["--plot-output", "%a-file/out.png"], 2, ["cannot write", "a-file is not a folder"]),
+]  # fmt: skip
+
+
+def each(table: list) -> list:
+    """(entry point, arguments, status, words) for every entry point a case names."""
+    return [
+        pytest.param(tool, args, status, words, id=f"{tool}-{'-'.join(args)[:40]}")
+        for tools, args, status, words in table
+        for tool in tools
+    ]
+
+
+@pytest.fixture(scope="module")
+def entry_points() -> dict:
+    """Each entry point's script loaded as a module (their names have dashes; a benchmark
+    imports its siblings by name, so their folder goes on sys.path)."""
+    sys.path.insert(0, str(ROOT / "benches"))
+    modules = {}
+    for name, (script, *_) in ENTRY_POINTS.items():
+        spec = importlib.util.spec_from_file_location(
+            name.replace("-", "_") + "_script", ROOT / script
+        )
+        modules[name] = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = modules[name]  # dataclasses look their module up by name
+        spec.loader.exec_module(modules[name])
+    yield modules
+    for module in modules.values():
+        sys.modules.pop(module.__name__, None)
+    sys.path.remove(str(ROOT / "benches"))
+
+
+def argument(text: str, good: Path, tmp_path: Path) -> str:
+    """`@how`: a damaged copy of the checkpoint; `%name`: tmp_path/name; else the text."""
+    if text.startswith("@"):
+        return str(damaged_copy(good, tmp_path, text[1:]))
+    return str(tmp_path / text[1:]) if text.startswith("%") else text
+
+
+def refused(entry_points, capsys, good, tmp_path, tool, args, status, words) -> None:
+    """Run the case; check the status and the one error line (after argparse's usage)."""
+    _, *fixed = ENTRY_POINTS[tool]
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "a-folder").mkdir()
+    args = [argument(a, good, tmp_path) for a in args]
+    try:
+        got = entry_points[tool].main([*fixed, *args])
+    except SystemExit as e:  # argparse, or a message that Python prints with status 1
+        got = e.code
+        if isinstance(got, str):
+            print(got, file=sys.stderr)
+            got = 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert got == status, err[-3000:]
+    assert lines and "error: " in lines[-1], err[-3000:]
+    assert len(lines) == 1 or lines[0].startswith("usage: "), err[-3000:]
+    for word in words:
+        assert word in lines[-1], f"{word!r} not in {lines[-1]!r}"
+
+
+@pytest.mark.parametrize("tool, args, status, words", each(SILENT_WRONG_ANSWERS))
+def test_silent_wrong_answers_are_refused(
+    entry_points, capsys, good, tmp_path, tool, args, status, words
+):
+    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
+
+
+@pytest.mark.parametrize("tool, args, status, words", each(CHECKPOINT_CONTENTS))
+def test_checkpoint_contents_are_refused(
+    entry_points, capsys, good, tmp_path, tool, args, status, words
+):
+    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
+
+
+@pytest.mark.parametrize("tool, args, status, words", each(NUMBERS_MLX_CANNOT_TAKE))
+def test_numbers_mlx_cannot_take_are_refused(
+    entry_points, capsys, good, tmp_path, tool, args, status, words
+):
+    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
+
+
+@pytest.mark.parametrize("tool, args, status, words", each(WRONG_EXIT_STATUS))
+def test_wrong_exit_status_is_refused(
+    entry_points, capsys, good, tmp_path, tool, args, status, words
+):
+    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
+
+
+@pytest.mark.parametrize("tool, args, status, words", each(OUTPUT_PATHS))
+def test_output_paths_are_refused(entry_points, capsys, good, tmp_path, tool, args, status, words):
+    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
+
+
+def test_batch_main_has_no_more_slots_than_prompts(entry_points, capsys):
+    """A batch size far past what memory holds is harmless: only two prompts run."""
+    _, *fixed = ENTRY_POINTS["batch-main"]
+    assert entry_points["batch-main"].main([*fixed, "--batch-size", "1000000000"]) == 0
+    assert "batch size 2 " in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tool", ["main", "batch-main"])
+def test_a_closed_pipe_ends_quietly(tmp_path, tool):
+    """`python main.py | head -1`, with the reader gone before the first line, so that the
+    first write fails whatever the timing: no word on stderr, status 141 (128 + SIGPIPE)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        result = subprocess.run(
+            [sys.executable, *TOOLS[tool]],
+            cwd=ROOT, env=env_for(tmp_path), stdin=subprocess.DEVNULL, stdout=write_end,
+            stderr=subprocess.PIPE, text=True, timeout=120,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert (result.returncode, result.stderr) == (141, "")
 
 
 # --- MLX that cannot start --------------------------------------------------------------------
@@ -329,6 +624,122 @@ def test_ctrl_c_stops_every_tensor_parallel_rank(tmp_path):
     ctrl_c(proc, tmp_path, group=False)
     time.sleep(0.5)
     assert not processes_mentioning(marker), "a rank was left running"
+
+
+# --- SIGTERM, and Ctrl-C elsewhere ------------------------------------------------------------
+# (command, signal, when: once a process it started runs in $TMPDIR, or after so many seconds).
+# Every one must end with the one word and the status of the signal, its temporary files and
+# processes gone and no output written.
+
+SIGNALS = [
+    (["benches/flash_attention.py", "--no-openblas", "--lengths", "256", "--contexts", "128",
+      "--batches", "1", "--num-layers", "1", "--repeats", "1000", "--json-output", "%out.json"],
+     signal.SIGTERM, 3),
+    (["benches/shape_stable.py", "--model", "tiny", "--json-output", "%out.json"],
+     signal.SIGINT, "child"),
+    (["benches/quantization.py", "--model", "tiny", "--contexts", "256", "--parts", "agreement",
+      "--agreement-tokens", "1000", "--json-output", "%out.json"], signal.SIGINT, 3),
+    (["scripts/train-tiny.py", "--out", "%out"], signal.SIGTERM, 3),
+    (["scripts/dev-tools.py", "check-course", "--week", "1", "--day", "1"],
+     signal.SIGTERM, "child"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "command, sig, when", SIGNALS, ids=[f"{c[0]}-{s.name}" for c, s, _ in SIGNALS]
+)
+def test_signals_end_every_command_quietly_and_clean(tmp_path, command, sig, when):
+    tmp = str(tmp_path / "tmp")
+    proc = start(tmp_path, *[argument(a, None, tmp_path) for a in command])
+    deadline = time.monotonic() + (60 if when == "child" else when)
+    while time.monotonic() < deadline and not (when == "child" and processes_mentioning(tmp)):
+        assert proc.poll() is None, f"ended before the signal: {proc.stderr.read()[-3000:]}"
+        time.sleep(0.1)
+    if sig == signal.SIGINT:
+        os.killpg(proc.pid, sig)  # as the terminal sends Ctrl-C
+    else:
+        proc.send_signal(sig)  # as `kill` does
+    _, err = proc.communicate(timeout=60)
+    word = "interrupted" if sig == signal.SIGINT else "terminated"
+    assert proc.returncode == 128 + sig, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert err.count(word) == 1 and err.rstrip().endswith(word), err[-3000:]
+    time.sleep(0.5)
+    assert not processes_mentioning(tmp), "a process it started was left"
+    assert not list((tmp_path / "tmp").iterdir()), "a temporary file was left behind"
+    assert not list(tmp_path.glob("out*")), "an output of the stopped run was written"
+
+
+# --- a tensor-parallel rank that fails ----------------------------------------------------------
+
+RANK_ENDS = [  # (what mlx.launch writes on its stderr, the line for the rank that failed)
+    (["error: x/model.safetensors: truncated\n",
+      "\x1b[33m[WARN] Node with rank 1 exited with code 1 \x1b[0m\n",
+      "[WARN] Node with rank 0 exited with code -15\n"],
+     "rank 1 of 2 failed: x/model.safetensors: truncated"),
+    (["[WARN] Node with rank 0 exited with code 143\n", "error: ValueError: no (x.py:3, in f)\n",
+      "[WARN] Node with rank 2 exited with code 1\n"],
+     "rank 2 of 3 failed: ValueError: no (x.py:3, in f)"),
+    (["[WARN] Node with rank 0 exited with code -15\n",
+      "[WARN] Node with rank 1 exited with code -9\n"],
+     "rank 1 of 2 failed: it was killed by SIGKILL"),
+    (["[WARN] Node with rank 1 exited with code 3\n"],
+     "rank 1 of 2 failed: it exited with status 3"),
+    (["[WARN] Node with rank 0 was killed\n"], "rank 0 of 2 failed: mlx.launch killed it"),
+    (["a warning of rank 0\n"], None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("lines, failure", RANK_ENDS)
+def test_the_rank_that_failed_is_named_with_its_reason(capsys, lines, failure):
+    from tiny_llm_support.launch import RankEnds
+
+    ranks = int(re.search(r"of (\d+)", failure)[1]) if failure else 2
+    ends = RankEnds(ranks)
+    ends.read(iter(lines))
+    assert ends.failure() == failure
+    passed = [line for line in lines if "Node with rank" not in line and "error: " not in line]
+    assert capsys.readouterr().err == "".join(passed)  # the rest reaches stderr unchanged
+
+
+def test_a_rank_reports_an_error_in_one_line_and_a_signal_not_at_all(monkeypatch, capsys):
+    """In a process mlx.launch started: no traceback, and no word when it is stopped (the
+    command that started the ranks speaks for them)."""
+    from tiny_llm_support import startup
+
+    def fails():
+        raise IndexError("list index out of range")
+
+    def stopped(error):
+        def run():
+            raise error
+
+        return run
+
+    monkeypatch.setenv(startup.RANK_ENV, "1")
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        assert startup.run(fails) == 1
+        line = capsys.readouterr().err
+        assert line.startswith("error: IndexError: list index out of range (test_cli.py:")
+        assert line.endswith(", in fails)\n")
+        assert startup.run(stopped(KeyboardInterrupt())) == 130
+        assert startup.run(stopped(startup.Terminated())) == 143
+        assert capsys.readouterr().err == ""
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+
+
+@needs_ring
+def test_a_failed_rank_fails_the_command_naming_it(good, tmp_path):
+    """The checkpoint reads as one until the ranks load its weights: every rank fails, and
+    the command says which one first, and why, in one line (mlx.launch itself exits 0)."""
+    path = damaged_copy(good, tmp_path, "half")
+    result = run_tool(tmp_path, "main", "--model", str(path), "--tp", "2")
+    assert result.returncode == 1
+    line = the_error(result, "main")
+    assert re.fullmatch(r"error: rank [01] of 2 failed: .*model\.safetensors: truncated.*", line)
 
 
 # --- pdm's pre_run hook -----------------------------------------------------------------------

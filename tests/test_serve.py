@@ -850,6 +850,7 @@ def test_no_speculation_counts_nothing(server):
         (["--policy", "hybrid"], "hybrid", None),
         (["--speculative", "ngram"], "hybrid", 4),  # the hybrid policy without asking
         (["--speculative", "tiny", "--policy", "hybrid", "--num-draft-tokens", "2"], "hybrid", 2),
+        (["--speculative", "ngram", "--policy", "alternate"], "alternate", 4),
     ],
 )
 def test_speculative_defaults(serve_module, flags, policy, k):
@@ -860,7 +861,6 @@ def test_speculative_defaults(serve_module, flags, policy, k):
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--speculative", "ngram", "--policy", "alternate"], "drop --policy alternate"),
         (
             ["--speculative", "ngram", "--num-draft-tokens", "0"],
             "argument --num-draft-tokens: expected an integer >= 1, got 0",
@@ -952,3 +952,24 @@ def test_start_up_reaches_every_task_of_the_day(ref, monkeypatch, task):
         return
     with pytest.raises(NotImplementedError, match=message):
         batch_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)
+
+
+# --- a chat without text (issue 33) -----------------------------------------------------------
+
+BLANK_CHATS = [
+    [{"role": "user", "content": ""}],
+    [{"role": "user", "content": " \n\t"}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "   "}],
+    [{"role": "user", "content": [{"type": "text", "text": "  "}]}],
+]
+
+
+@pytest.mark.parametrize("messages", BLANK_CHATS)
+def test_a_chat_without_text_is_refused_as_the_demos_refuse_it(server, messages):
+    """The chat template would wrap nothing, and the model would answer its markup: 400, with
+    the line main.py prints for such a prompt."""
+    status, _, raw = request(server.port, "POST", CHAT, {"model": MODEL, "messages": messages})
+    assert status == 400, raw[:300]
+    error = json.loads(raw)["error"]
+    assert error["param"] == "messages"
+    assert error["message"].startswith("the prompt is empty or only whitespace")

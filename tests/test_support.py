@@ -20,6 +20,7 @@ from tiny_llm_support import (
     load_checkpoint,
     load_tokenizer,
     make_tiny_checkpoint,
+    make_tiny_moe_checkpoint,
     openblas_path,
     resolve_model,
 )
@@ -356,6 +357,61 @@ def test_unknown_model_type(tmp_path):
     path = make_tiny_checkpoint(tmp_path)
     edit_config(path, model_type="llama")
     with pytest.raises(ValueError, match="'llama'"):
+        load_checkpoint(path)
+
+
+# --- a mixture of experts (Week 4 Day 6) -----------------------------------------------------
+
+
+def test_moe_config_fields_and_sparse_layers():
+    moe = dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2)
+    c = Qwen3Config.from_dict(
+        base_config(**moe, moe_intermediate_size=16, num_hidden_layers=6, decoder_sparse_step=2,
+                    mlp_only_layers=[3], norm_topk_prob=True)
+    )  # fmt: skip
+    assert (c.num_experts, c.num_experts_per_tok, c.moe_intermediate_size) == (8, 2, 16)
+    assert c.norm_topk_prob and c.mlp_only_layers == (3,)
+    assert [c.is_sparse(i) for i in range(6)] == [False, True, False, False, False, True]
+    assert not Qwen3Config.from_dict(base_config()).is_sparse(0), "a dense model has no experts"
+    with pytest.raises(ValueError, match="moe_intermediate_size"):
+        Qwen3Config.from_dict(base_config(**moe))
+    with pytest.raises(ValueError, match="num_experts_per_tok"):
+        Qwen3Config.from_dict(
+            base_config(**{**moe, "num_experts_per_tok": 9}, moe_intermediate_size=4)
+        )
+
+
+def test_moe_layouts_load_the_same_stacked_experts(tmp_path):
+    """One tensor per expert (Hugging Face) and the stacked layout (mlx-lm) load alike."""
+    hf = load_checkpoint(make_tiny_moe_checkpoint(tmp_path / "hf", seed=1))
+    stacked = load_checkpoint(
+        make_tiny_moe_checkpoint(tmp_path / "st", seed=1, stacked_experts=True)
+    )
+    assert "model.layers.0.mlp.experts.0.up_proj.weight" not in hf.weights
+    assert hf.weights.keys() == stacked.weights.keys()
+    for name, w in hf.weights.items():
+        assert mx.array_equal(w, stacked.weights[name]).item(), name
+    assert hf.weights["model.layers.1.mlp.switch_mlp.down_proj.weight"].shape == (8, 64, 64)
+
+
+def test_a_missing_expert_is_named(tmp_path):
+    path = make_tiny_moe_checkpoint(tmp_path)
+    missing = "model.layers.1.mlp.experts.5.up_proj.weight"
+    rewrite_weights(path, lambda w: w.pop(missing))
+    with pytest.raises(CheckpointError, match=rf"{missing} is missing \(layer 1 has 8 experts"):
+        load_checkpoint(path)
+
+
+def test_quantized_experts_are_checked_stacked(tmp_path):
+    path = make_tiny_moe_checkpoint(tmp_path, quantize=4)
+    ckpt = load_checkpoint(path)
+    codes = ckpt.weights["model.layers.0.mlp.switch_mlp.gate_proj.weight"]
+    assert codes.dtype == mx.uint32 and codes.shape == (8, 64, 8)
+    scales = "model.layers.0.mlp.switch_mlp.gate_proj.scales"
+    rewrite_weights(path, lambda w: w.update({scales: w[scales][:, :3]}))
+    with pytest.raises(
+        CheckpointError, match=rf"{scales} has shape \[8, 3, 1\], expected \[8, 64, 1\]"
+    ):
         load_checkpoint(path)
 
 
@@ -734,3 +790,130 @@ def test_blas_info():
     assert path is None or (Path(path).exists() and "openblas" in path)
     assert "load it by themselves" in OPENBLAS_HINT and "float32" in OPENBLAS_HINT
     assert "libopenblas0-pthread" in OPENBLAS_HINT
+
+
+# --- contents that would load and compute garbage (issue 33) --------------------------------
+
+
+def rewrite(path: Path, name: str, change) -> None:
+    """Tensor `name` of model.safetensors replaced by change(tensor)."""
+    file = path / "model.safetensors"
+    tensors = dict(mx.load(str(file)))
+    tensors[name] = change(tensors[name])
+    mx.save_safetensors(str(file), tensors)
+
+
+def test_nan_in_a_quantized_layer_is_found_in_its_scales(tmp_path):
+    """The uint32 codes are left alone; the float scales are checked."""
+    path = make_tiny_checkpoint(tmp_path, quantize=4)
+    load_checkpoint(path)  # codes that happen to look like NaN in float32 are no NaN
+    name = "model.layers.0.self_attn.o_proj.scales"
+    rewrite(path, name, lambda t: mx.where(mx.arange(t.size).reshape(t.shape) == 5, mx.nan, t))
+    with pytest.raises(CheckpointError, match=f"model.safetensors: tensor {name} holds NaN"):
+        load_checkpoint(path)
+
+
+def test_a_weight_past_float16_is_found_as_float16(tmp_path):
+    """Finite in the file (float32), infinite once cast to the dtype asked for."""
+    path = make_tiny_checkpoint(tmp_path)
+    rewrite(path, "model.norm.weight", lambda t: t * 1e6)
+    load_checkpoint(path, dtype="float32")
+    with pytest.raises(CheckpointError, match=r"model\.norm\.weight .* \(read as float16\)"):
+        load_checkpoint(path, dtype="float16")
+
+
+def test_shards_linked_from_outside_load_as_in_the_hub_cache(tmp_path):
+    """The Hugging Face cache keeps a snapshot's files in a blobs folder beside it and links
+    them in: a link inside the directory is followed, a path that leaves it is not."""
+    path = make_tiny_checkpoint(tmp_path / "snapshot", shards=2)
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    for shard in path.glob("*.safetensors"):
+        shard.rename(blobs / shard.name)
+        shard.symlink_to(blobs / shard.name)
+    assert len(load_checkpoint(path).weights) > 0
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    first = next(iter(index["weight_map"]))
+    index["weight_map"][first] = f"../blobs/{index['weight_map'][first]}"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=f"weight_map puts {first} in '../blobs/"):
+        load_checkpoint(path)
+
+
+def test_chat_template_errors_name_the_file(tmp_path, tokenizer):
+    from jinja2.exceptions import SecurityError
+
+    from tiny_llm_support.tokenizer import ChatTemplateError, check_chat_template
+
+    path = make_tiny_checkpoint(tmp_path)
+    config = json.loads((path / "tokenizer_config.json").read_text())
+    (path / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": None}))
+    (path / "chat_template.jinja").write_text("{{ messages.__class__.__mro__ }}")
+    tok = load_tokenizer(path)
+    with pytest.raises(SecurityError) as refused:
+        check_chat_template(tok)
+    error = refused.value
+    assert isinstance(error, ChatTemplateError) and isinstance(error, CheckpointError)
+    assert error.source == path / "chat_template.jinja"
+    assert str(error) == f"{error.source}: the chat template was refused by the sandbox: " + (
+        error.detail
+    )
+    assert str(path) not in error.detail and "unsafe" in error.detail
+    check_chat_template(tokenizer)  # a template that renders: nothing to say
+
+
+@pytest.mark.parametrize(
+    "contents, blank",
+    [
+        ([""], True),
+        ([" \n\t"], True),
+        (["", "  "], True),
+        (["Be brief.", ""], False),
+        (["x"], False),
+    ],
+)
+def test_a_conversation_without_text_is_refused(contents, blank):
+    from tiny_llm_support.tokenizer import check_chat_text
+
+    messages = [{"role": "user", "content": c} for c in contents]
+    if blank:
+        with pytest.raises(ValueError, match="the prompt is empty or only whitespace"):
+            check_chat_text(messages)
+    else:
+        check_chat_text(messages)
+
+
+# --- sliding windows (Week 4 Day 7) -----------------------------------------------------------
+
+
+def test_sliding_window_layers_as_transformers_reads_them():
+    four = dict(num_hidden_layers=4, sliding_window=16)
+    on = lambda **kw: Qwen3Config.from_dict(
+        base_config(**{**four, "use_sliding_window": True, **kw})
+    )
+    assert on(max_window_layers=2).layer_windows == (None, None, 16, 16)
+    kinds = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+    assert on(layer_types=kinds).layer_windows == (16, None, 16, None), "layer_types wins"
+    assert on(max_window_layers=4).layer_windows == (), "a window on no layer is none at all"
+    off = Qwen3Config.from_dict(base_config(**four, use_sliding_window=False, max_window_layers=0))
+    assert off.layer_windows == () and off.window(3) is None, "use_sliding_window false: none"
+    with pytest.raises(CheckpointError, match="sliding_window must be a positive"):
+        on(sliding_window=None)
+    with pytest.raises(CheckpointError, match="layer_types must list"):
+        on(layer_types=["sliding_attention"])
+
+
+@pytest.mark.parametrize(
+    "changes, words",
+    [
+        (dict(num_hidden_layers=1e400), "num_hidden_layers must be a number"),
+        (dict(num_hidden_layers=2.7), "num_hidden_layers must be a whole number, got 2.7"),
+        (
+            dict(num_hidden_layers=10**9, use_sliding_window=True, sliding_window=4),
+            "num_hidden_layers is 1000000000",
+        ),
+    ],
+)
+def test_layer_counts_that_are_not_whole_or_too_big(changes, words):
+    with pytest.raises(CheckpointError, match=words):
+        Qwen3Config.from_dict(base_config(**changes))

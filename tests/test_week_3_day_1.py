@@ -22,6 +22,8 @@ from helpers import (
     prompt_with_tokens,
 )
 
+from tiny_llm_support.tokenizer import StreamingDetokenizer
+
 MAX_SEQ_LEN = 40
 WHOLE_PROMPT = 512  # prefill_step larger than every prompt: one prefill call per prompt
 
@@ -453,22 +455,44 @@ def test_accept_records_tokens_and_stops_at_each_limit(impl, tokenizer):
     assert request.is_done, "3 prompt + 2 generated tokens reach max_seq_len=5"
 
 
-def test_accept_finalizes_text_that_ends_inside_a_character(impl, tokenizer):
-    """A request cut off in the middle of a multi-byte character: its text must be the
-    detokenizer's finalized text (the pending bytes flushed), not the streamed prefix."""
-    tokens = tokenizer.encode("naïve café 😀")
-    cut = next(n for n in range(1, len(tokens)) if "\ufffd" in tokenizer.decode(tokens[:n]))
-    request = impl.Request(StandInModel(tokenizer.vocab_size), tokenizer, [1], max_new_tokens=cut)
-    for token in tokens[:cut]:
+class ByteTokenizer:
+    """A byte-level vocabulary: ids 0-255 are single bytes, and id 256 is a space followed by the
+    first two bytes of an emoji (" \\xf0\\x9f"), a token of the kind byte-level BPE vocabularies
+    learn. Its text ends inside a character, so the streaming detokenizer holds back the whole
+    token, the complete space with it, until later bytes or finalize() decide it."""
+
+    SPACE_AND_HALF_EMOJI = 256
+    eos_token_ids = frozenset({0})
+    vocab_size = 257
+
+    def decode(self, ids, skip_special_tokens=False):
+        pieces = [bytes([i]) if i < 256 else b" \xf0\x9f" for i in ids]
+        return b"".join(pieces).decode("utf-8", errors="replace")
+
+    def encode(self, text):
+        return list(text.encode("utf-8"))
+
+    def detokenizer(self):
+        return StreamingDetokenizer(self)
+
+
+def test_accept_finalizes_text_that_ends_inside_a_character(impl):
+    """A request cut off inside a multi-byte character: its text must be the detokenizer's
+    finalized text (the held-back text flushed, the incomplete character dropped), not the
+    streamed prefix. The last token carries a space before the incomplete character, so a
+    request that never calls finalize() loses the space."""
+    tokenizer = ByteTokenizer()
+    tokens = [ord("h"), ord("i"), ByteTokenizer.SPACE_AND_HALF_EMOJI]
+    stand_in = StandInModel(tokenizer.vocab_size)
+    request = impl.Request(stand_in, tokenizer, [1], max_new_tokens=len(tokens))
+    for token in tokens:
         request.accept(token)
-    assert request.is_done, f"max_new_tokens={cut}: done"
-    finalized = tokenizer.detokenizer()
-    for token in tokens[:cut]:
-        finalized.add_token(token)
-    finalized.finalize()
-    assert request.text() == finalized.text, (
-        "the request ended inside a multi-byte character: accept must call the detokenizer's "
-        "finalize() when the request is done"
+    assert request.is_done, f"max_new_tokens={len(tokens)}: done"
+    assert request.text() == "hi ", (
+        f"the request's text is {request.text()!r}, expected 'hi ': it ended with a token "
+        "whose text is a space and half a character, which the streaming detokenizer holds "
+        "back; accept must call the detokenizer's finalize() when the request is done (it "
+        "flushes the space and drops the incomplete character)"
     )
 
 

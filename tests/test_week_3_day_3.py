@@ -33,19 +33,34 @@ def _no_padding_switch(monkeypatch):
     [(113, 171), (176, 342), (311, 342), (1, 171), (171, 171), (172, 342), (512, 512)],
 )
 def test_ladder_examples_from_the_seed(impl, rows, width):
-    assert impl.prefill_query_width(rows, 512) == width, f"{rows} rows of a 512-wide chunk"
+    got = impl.prefill_query_width(rows, 512)
+    assert got == width, (
+        f"{rows} rows of a 512-wide chunk: got {got}, expected {width}. The widths are "
+        "multiples of the step ceil(512 / 3) = 171, rounded up, not down, capped at 512"
+    )
 
 
 @pytest.mark.parametrize("chunk_width", [1, 2, 3, 4, 7, 128, 171, 512, 513, 1000])
 @pytest.mark.parametrize("steps", [1, 3, 8])
 def test_ladder_invariants(impl, chunk_width, steps):
-    widths = [
-        impl.prefill_query_width(rows, chunk_width, steps) for rows in range(1, chunk_width + 1)
-    ]
+    round_up = (
+        "round the step size up (ceil(chunk_width / steps)): a step rounded down leaves a stray "
+        "width between its last multiple and the chunk width, or is 0 for a chunk narrower "
+        "than the steps"
+    )
+    try:
+        widths = [
+            impl.prefill_query_width(rows, chunk_width, steps) for rows in range(1, chunk_width + 1)
+        ]
+    except ZeroDivisionError as e:
+        pytest.fail(f"chunk {chunk_width}, {steps} steps: {e!r}: {round_up}", pytrace=False)
     for rows, width in enumerate(widths, start=1):
         assert rows <= width <= chunk_width, f"{rows} rows padded to {width}"
     ladder = sorted(set(widths))
-    assert len(ladder) <= steps, f"chunk {chunk_width}, {steps} steps: ladder {ladder}"
+    assert len(ladder) <= steps, (
+        f"chunk {chunk_width}, {steps} steps: {len(ladder)} widths {ladder}, more than {steps}: "
+        f"{round_up}"
+    )
     assert ladder[-1] == chunk_width, (
         f"the top of the ladder must be the chunk width itself, got {ladder}: round the step "
         "size up (ceil(chunk_width / steps)) so no stray width is left above the ladder"
@@ -330,7 +345,12 @@ def test_a_model_that_drops_rows_switches_padding_off_and_reruns(impl, model, to
     assert_close(logits, want, "logits of the re-run")
     again = impl.Request(dropping, tokenizer, ids, prefill_max_step=18, query_padding=True)
     again.forward_chunk(ids)
-    assert dropping.calls[-1].shape == (1, 5), "padding stays off for this model afterwards"
+    shapes = [call.shape for call in dropping.calls[2:]]
+    assert shapes == [(1, 5)], (
+        f"the next request's chunk ran as {shapes}, expected one unpadded call [(1, 5)]: once "
+        "a model has dropped rows, padding stays off for it. The fallback must set "
+        "self.model.query_padding_ok = False"
+    )
     request.release()
     again.release()
 

@@ -137,19 +137,23 @@ def test_ragged_rows_attend_only_to_their_own_request(impl, model, tokenizer):
 
 class PassSpy:
     """Replaces the stall_free module's forward_ragged: records every pass's segments as
-    (id of the request's cache list, rows, cache offset before the pass)."""
+    (id of the request's cache list, rows, cache offset before the pass), and the greedy token
+    of each segment's logits row."""
 
     def __init__(self, impl, monkeypatch):
         module = importlib.import_module(f"{impl.__name__}.stall_free")
         self._forward = module.forward_ragged
         self.passes = []
         self.widths = []
+        self.tokens = []  # per pass: the argmax of each segment's logits row, in segment order
         monkeypatch.setattr(module, "forward_ragged", self)
 
     def __call__(self, model, tokens, segments):
         self.passes.append([(id(s.cache), s.length, s.cache[0].offset) for s in segments])
         self.widths.append(tokens.shape[1])
-        return self._forward(model, tokens, segments)
+        logits = self._forward(model, tokens, segments)
+        self.tokens.append(mx.argmax(logits[0], axis=-1).tolist())
+        return logits
 
 
 def run_hybrid(impl, model, tokenizer, prompts, budget, pools=None, **kwargs):
@@ -226,6 +230,86 @@ def test_prompts_take_a_slot_before_prefilling_and_group_when_the_budget_allows(
         "with a budget of 128 and short prompts, one pass should prefill several prompts "
         "(grouped prefill): when a prompt finishes inside the budget, admit the next one"
     )
+
+
+@pytest.fixture(scope="module")
+def traced(impl, model, tokenizer, prompts):
+    """One hybrid run (budget 16, dense caches) with every pass, every event and every
+    materialize() call recorded: (spy, [(event, passes run when it was reported)], {id of a
+    layer cache: materialize calls})."""
+    materialized = defaultdict(int)
+    real = impl.TinyKvFullCache.materialize
+
+    def counted(self):
+        materialized[id(self)] += 1
+        return real(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(impl.TinyKvFullCache, "materialize", counted)
+        spy = PassSpy(impl, patch)
+        events = []
+        impl.batch_generate(
+            model, tokenizer, prompts, MAX_SEQ_LEN, 3, 16, policy="hybrid",
+            on_step=lambda step: events.append((step, len(spy.passes))),
+        )  # fmt: skip
+    return spy, events, materialized
+
+
+def test_hybrid_events_carry_the_number_of_their_pass(traced):
+    """scheduler.passes counts the forward passes; the prefill and decode events of a pass carry
+    the number of the pass that did their work (1, 2, 3, ...), as under the alternate policy."""
+    _, events, _ = traced
+    for step, passes in events:
+        if step.kind in ("prefill", "decode"):
+            assert step.forward_pass == passes, (
+                f"a {step.kind} event reported after pass {passes} carries forward_pass="
+                f"{step.forward_pass}: hybrid_step must count its pass (scheduler.passes += 1) "
+                "before it reports the pass's events"
+            )
+
+
+def test_each_request_gets_the_token_of_its_own_segment(traced):
+    """forward_ragged returns one logits row per segment, in the order of the segments: each
+    decoding request (and each prompt finished by its chunk) takes the token of its own row."""
+    spy, events, _ = traced
+    requests = {id(step.request.kv_cache): step.request for step, _ in events if step.request}
+    for n, (segments, tokens) in enumerate(zip(spy.passes, spy.tokens)):
+        for i, (cache, length, offset) in enumerate(segments):
+            request = requests[cache]
+            prompt = len(request.prompt_tokens)
+            if offset >= prompt:  # a decode row: its input is generated[offset - prompt]
+                got, what = request.generated[offset - prompt + 1], "decoded"
+            elif offset + length == prompt:  # the chunk that completes the prompt
+                got, what = request.generated[0], "finished its prompt and got"
+            else:
+                continue
+            if got != tokens[i]:
+                other = [j for j, t in enumerate(tokens) if t == got and j != i]
+                whose = f" (the token of segment {other[0]})" if other else ""
+                pytest.fail(
+                    f"pass {n + 1}: prompt {request.prompt_idx} {what} token {got}{whose}, but "
+                    f"its own segment (segment {i} of {len(segments)}) gives {tokens[i]}: the "
+                    "logits rows come back in the order of the segments, so hand the tokens out "
+                    "in the order the rows were laid out (decode rows first, then the chunks)",
+                    pytrace=False,
+                )
+
+
+def test_every_chunk_is_materialized(traced):
+    """MLX is lazy: after each chunk's pass the request's caches are evaluated
+    (request.materialize(), as try_prefill does), so no graph grows across chunks."""
+    _, events, materialized = traced
+    chunks = defaultdict(int)
+    for step, _ in events:
+        if step.kind == "prefill":
+            chunks[step.request] += 1
+    for request, n in chunks.items():
+        calls = [materialized[id(layer_cache)] for layer_cache in request.kv_cache]
+        assert min(calls) >= n, (
+            f"prompt {request.prompt_idx} was prefilled in {n} chunks, but its layer caches "
+            f"were materialized {calls} times: hybrid_step must call request.materialize() "
+            "for every chunk of the pass"
+        )
 
 
 def test_hybrid_honours_per_request_budgets(impl, model, tokenizer, prompts, alone):

@@ -279,8 +279,9 @@ def test_key_blocks_after_a_query_block_are_skipped(impl, l, s):
     want = oracle(q, k, v)[:, :, :block]
     assert not np.isnan(np.array(got)).any(), (
         f"query rows at positions {first}..{clean - 1} read keys from position {clean} on: "
-        "cut the queries into blocks too, and skip every key block that starts after a query "
-        "block's last position (all of its scores would be masked)"
+        "cut the queries into blocks too, and for each query block stop the keys at its last "
+        "row: skip the key blocks after it and cut the key block that straddles it there "
+        "(stop = last position + 1), since a key read even masked gives 0 * nan = nan"
     )
     close(got, want, "the first query block with later keys poisoned")
 
@@ -304,8 +305,12 @@ def test_flash_attention_rejects_bad_shapes(impl):
 def fill_pool(impl, page_size, lengths, seed=0, heads=2):
     """A pool of `heads` KV heads and requests of `lengths` tokens appended in interleaved
     pieces of 3, so each page table is scattered. Returns the pool, the caches, and each
-    request's keys and values as dense [1, H_kv, S, D] arrays."""
+    request's keys and values as dense [1, H_kv, S, D] arrays. Pages come off a scrambled free
+    list, so a table is not in increasing page order either."""
     pool = impl.TinyKvPagedPool(heads, D, page_size=page_size, read_in_place=True)
+    pages = [pool.allocate() for _ in range(sum(-(-n // page_size) for n in lengths))]
+    for page in np.random.RandomState(seed).permutation(pages).tolist():
+        pool.free(page)  # the free list hands pages out in a scrambled order
     caches = [impl.TinyKvPagedCache(pool) for _ in lengths]
     dense = [(random_array((1, heads, n, D), seed + 2 * i), random_array((1, heads, n, D), seed + 2 * i + 1)) for i, n in enumerate(lengths)]  # fmt: skip
     for start in range(0, max(lengths), 3):
@@ -329,6 +334,21 @@ def test_paged_attention_equals_dense_attention(impl, page_size, l, block):
         else ""
     )
     close(got, oracle(q, k, v), f"page size {page_size}, L={l}, block {block}.{hint}")
+
+
+def test_pages_are_read_in_page_table_order(impl):
+    """Entry j of a page table holds positions j * P ..: reading the pages sorted by page number
+    (the order they lie in the pool) shuffles the keys."""
+    pool, caches, dense = fill_pool(impl, 4, [45, 17], seed=3)
+    table = caches[0].page_table
+    assert table != sorted(table), "test setup: the table must not be sorted"
+    q = random_array((1, 4, 45, D), seed=21)
+    got = impl.paged_attention(q, pool, [table], [45], block_size=8)
+    close(
+        got, oracle(q, *dense[0]),
+        f"page table {table}: read page table[j] for positions j * page_size .. (j + 1) * "
+        "page_size - 1, in the table's order, not in the order the pages lie in the pool",
+    )  # fmt: skip
 
 
 def test_stale_slots_of_a_reused_page_are_never_read(impl):

@@ -32,9 +32,38 @@ def unbounded(impl, model, tokenizer, prompts):
     )  # fmt: skip
 
 
+class PageAudit(StepLog):
+    """A StepLog that checks every preemption as it happens: the pages in use are exactly those
+    the page tables of the admitted, unfinished requests hold, so the victim's are back in the
+    pool (a leak there only shows much later, as a scheduler that waits for pages forever)."""
+
+    def __init__(self, pools):
+        super().__init__()
+        self.pools = pools
+        self.live = []  # admitted, not finished, not preempted since
+
+    def __call__(self, step):
+        super().__call__(step)
+        if step.kind == "admit":
+            self.live.append(step.request)
+        elif step.kind in ("finish", "preempt"):
+            self.live = [r for r in self.live if r is not step.request]
+        if step.kind == "preempt":
+            victim = step.request
+            kept = len(victim.kv_cache[0].page_table)
+            held = sum(len(r.kv_cache[0].page_table) for r in self.live)
+            in_use = self.pools[0].num_in_use
+            assert kept == 0 and in_use == held, (
+                f"prompt {victim.prompt_idx} was preempted but did not give its pages back: "
+                f"{in_use} pages in use, the running requests hold {held}, the victim's page "
+                f"table still lists {kept}. Request.preempt must release its caches "
+                "(self.release()) before it waits to be prefilled again"
+            )
+
+
 def generate(impl, model, tokenizer, prompts, max_pages, policy, **kwargs):
     pools = model.create_kv_pools(page_size=4, max_pages=max_pages)
-    log = StepLog()
+    log = PageAudit(pools)
     out = impl.batch_generate(
         model, tokenizer, prompts, 64, 4, 8, pools=pools, on_step=log,
         max_new_tokens=NEW_TOKENS, policy=policy, **kwargs,
@@ -65,8 +94,13 @@ def test_a_small_pool_serves_everyone_with_the_same_text(
 
 
 @pytest.mark.parametrize("policy", ["alternate", "hybrid"])
-def test_the_newest_request_is_preempted_and_queued_first(impl, model, tokenizer, prompts, policy):
-    out, log, _ = generate(impl, model, tokenizer, prompts, 8, policy)
+@pytest.mark.parametrize("max_pages", [8, 10])
+def test_the_newest_request_is_preempted_and_queued_first(
+    impl, model, tokenizer, prompts, policy, max_pages
+):
+    """With 10 pages a request that finished early has handed its slot to a newer one, so the
+    newest running request is not the one in the last slot."""
+    out, log, _ = generate(impl, model, tokenizer, prompts, max_pages, policy)
     admitted = []  # requests running, in admission order
     for n, (kind, request, occupants) in enumerate(log.steps):
         if kind == "admit":
@@ -78,12 +112,18 @@ def test_the_newest_request_is_preempted_and_queued_first(impl, model, tokenizer
             running = [r for r in admitted if r is request or any(r is o for o in occupants)]
             assert request is running[-1], (
                 f"{policy}: preempted prompt {request.prompt_idx}, but the most recently "
-                f"admitted running request was prompt {running[-1].prompt_idx}"
+                f"admitted running request was prompt {running[-1].prompt_idx}: make_room "
+                "picks the victim by its `admitted` count (the largest), not by its slot"
             )
             admitted.remove(request)
-            following = [r for k, r, _ in log.steps[n + 1 :] if k == "admit"]
-            assert following and following[0] is request, (
-                "a preempted request waits at the front of the queue: it is the next admitted"
+            # the next admission, unless another preemption puts its victim in front first
+            following = [(k, r) for k, r, _ in log.steps[n + 1 :] if k in ("admit", "preempt")]
+            assert following, f"prompt {request.prompt_idx} was never admitted again"
+            kind, first = following[0]
+            assert kind == "preempt" or first is request, (
+                f"{policy}: preempted prompt {request.prompt_idx}, but prompt "
+                f"{first.prompt_idx} was admitted next: a preempted request waits at the front "
+                "of the queue (scheduler.preempt puts it there)"
             )
 
 
@@ -119,6 +159,52 @@ def test_can_admit_counts_prompt_headroom_and_pages_owed(impl, model):
         "already being prefilled"
     )
     assert module.can_admit(10_000, 0, model.create_kv_pools(page_size=4)), "unbounded pool"
+
+
+# --- a prompt chunk never takes pages that are not free -------------------------------------
+
+
+def test_a_chunk_that_does_not_fit_waits_under_the_alternate_policy(
+    impl, model, tokenizer, monkeypatch
+):
+    """Three requests decode while a 30-token prompt is prefilled in chunks of 4 from a pool of
+    14 pages: their decode rows take the pages its next chunk needs, so the chunk must wait for
+    an iteration (Scheduler.chunk_fits, given, asked in alternate_step) instead of running out
+    of pages half way."""
+    prompts = [prompt_with_tokens(tokenizer, n) for n in (3, 3, 3, 30)]
+    answers = []
+    real = impl.Scheduler.chunk_fits
+
+    def chunk_fits(self, request):
+        answers.append(real(self, request))
+        return answers[-1]
+
+    monkeypatch.setattr(impl.Scheduler, "chunk_fits", chunk_fits)
+
+    def run(pools):
+        return impl.batch_generate(
+            model, tokenizer, prompts, 64, 4, 4, pools=pools, max_new_tokens=[30, 30, 30, 2],
+            ignore_eos=True,
+        )  # fmt: skip
+
+    want = run(model.create_kv_pools(page_size=4))
+    answers.clear()
+    pools = model.create_kv_pools(page_size=4, max_pages=14)
+    try:
+        got = run(pools)
+    except impl.PagePoolExhausted as e:
+        pytest.fail(
+            f"PagePoolExhausted ({e}): alternate_step ran a prompt chunk whose pages were not "
+            "free. Ask self.chunk_fits(request) before each chunk: a chunk that does not fit "
+            "waits for a later iteration, and the decode step runs (a chunk never preempts)",
+            pytrace=False,
+        )
+    assert False in answers, (
+        "alternate_step must ask self.chunk_fits(request) before it prefills a chunk (the test "
+        f"expects a chunk that does not fit); chunk_fits answered {answers}"
+    )
+    assert got == want, "the texts of an unbounded pool"
+    assert pools[0].peak_in_use <= 14 and pools[0].num_in_use == 0
 
 
 # --- the hybrid plan spends only spare pages ------------------------------------------------

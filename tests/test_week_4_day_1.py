@@ -54,6 +54,17 @@ def unpack(codes: mx.array, bits: int, reverse: bool = False) -> np.ndarray:
     return q.reshape(*words.shape[:-1], -1)
 
 
+def strided(w: mx.array, group_size: int) -> mx.array:
+    """w [R, N] with its values reordered so that consecutive groups of group_size hold what
+    groups of every (N / group_size)-th value would: value i of a row in group i % G."""
+    rows, n = w.shape
+    return w.reshape(rows, group_size, n // group_size).swapaxes(-1, -2).reshape(rows, n)
+
+
+def close(a, b) -> bool:
+    return a.shape == b.shape and np.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def quantize_hint(w, got, group_size, bits) -> str:
     """The likely bug when impl.quantize differs from mx.quantize."""
     codes, scales, biases = (np.array(x) for x in got)
@@ -65,9 +76,28 @@ def quantize_hint(w, got, group_size, bits) -> str:
             f"shapes: codes {codes.shape} (want {want[0].shape}, {32 // bits} codes to a uint32), "
             f"scales {scales.shape} (want {want[1].shape}): groups run along the last axis"
         )
+    if close(scales, want[2]) and close(biases, want[1]):
+        return "scales and biases swapped: quantize returns (codes, scales, biases)"
+    if np.allclose(scales, scales.flat[0]) and not np.allclose(want[1], want[1].flat[0]):
+        return (
+            "every group has the same scale: one scale and bias for the whole tensor. Each group "
+            "of group_size consecutive values of a row gets its own, from its own min and max"
+        )
+    if np.allclose(scales, scales[..., :1]) and not np.allclose(want[1], want[1][..., :1]):
+        return (
+            "every group of a row has the same scale: one scale and bias per row. Each group of "
+            "group_size consecutive values gets its own, from its own min and max"
+        )
     across = [np.array(x) for x in mx.quantize(w.T, group_size=group_size, bits=bits)]
     if np.allclose(scales, across[1].reshape(scales.shape)) and not np.allclose(scales, want[1]):
         return "the groups run along the first axis: group the values of each row (last axis)"
+    every_gth = np.array(mx.quantize(strided(w, group_size), group_size=group_size, bits=bits)[1])
+    if close(scales, every_gth) and not close(scales, want[1]):
+        return (
+            "the groups run the wrong way within a row: a group is group_size consecutive "
+            "values (w.reshape(..., N / group_size, group_size)), not every (N / group_size)-th "
+            "value (w.reshape(..., group_size, N / group_size))"
+        )
     if np.allclose(biases, np.round(biases)) and not np.allclose(biases, want[2]):
         return (
             "the biases look like integer zero points: MLX stores the float value of code 0 "
@@ -85,6 +115,43 @@ def quantize_hint(w, got, group_size, bits) -> str:
     ):
         return "nibble order: the first code of a word belongs in its lowest bits"
     return "compare your steps with the chapter's description of mx.quantize"
+
+
+def dequantize_hint(got, codes, scales, biases, group_size, bits) -> str:
+    """The likely bug when impl.dequantize differs from mx.dequantize: the values each classic
+    mistake would give, compared with what it gave."""
+    q = unpack(codes, bits).astype(np.float64)  # [..., N], unsigned codes
+    s, b = np.array(scales, dtype=np.float64), np.array(biases, dtype=np.float64)
+    per_value = lambda x: np.repeat(x, group_size, axis=-1)  # group i // group_size
+    every_gth = lambda x: np.tile(x, group_size)  # group i % G
+    signed = np.where(q >= 1 << (bits - 1), q - (1 << bits), q)
+    mistakes = [
+        (
+            q * per_value(b) + per_value(s),
+            "scale and bias swapped: w = scale * q + bias (each code times its group's scale, "
+            "plus its group's bias)",
+        ),
+        (
+            signed * per_value(s) + per_value(b),
+            f"the codes were read back as signed integers: a {bits}-bit code is unsigned, "
+            f"0 .. {(1 << bits) - 1}; mask it out of the uint32 and convert it to float with no "
+            "signed type (int8) in between",
+        ),
+        (
+            q * every_gth(s) + every_gth(b),
+            "the groups run the wrong way within a row: value i belongs to group "
+            "i // group_size (consecutive values), not to group i % (N / group_size)",
+        ),
+        (
+            unpack(codes, bits, reverse=True) * per_value(s) + per_value(b),
+            "nibble order: the first code of a word sits in its lowest bits",
+        ),
+    ]
+    got = np.array(got, dtype=np.float64)
+    for values, hint in mistakes:
+        if close(got, values.reshape(got.shape) if values.size == got.size else values):
+            return hint
+    return "each value is scale * code + bias of its group, the codes unpacked lowest bits first"
 
 
 # --- Task 1: quantize -------------------------------------------------------------------------
@@ -151,12 +218,11 @@ def test_dequantize_matches_mlx(impl, group_size, bits, shape):
     want = mx.dequantize(codes, scales, biases, group_size=group_size, bits=bits)
     assert got.shape == want.shape, f"shape {got.shape}, want {want.shape}"
     assert got.dtype == scales.dtype, "the values come back in the scales' dtype"
-    q = unpack(codes, bits, reverse=True).reshape(*scales.shape, group_size)
-    reversed_order = q * np.array(scales)[..., None] + np.array(biases)[..., None]
-    assert not np.allclose(np.array(got), reversed_order.reshape(want.shape), atol=1e-6), (
-        "nibble order: the first code of a word sits in its lowest bits"
+    same = np.allclose(np.array(got), np.array(want), rtol=1e-6, atol=1e-6)
+    assert same, (
+        f"dequantize, group_size {group_size}, bits {bits}: differs from mx.dequantize. Likely: "
+        f"{dequantize_hint(got, codes, scales, biases, group_size, bits)}"
     )
-    assert_close(got, want, f"dequantize, group_size {group_size}, bits {bits}", 1e-6, 1e-6)
 
 
 def test_dequantize_refuses_mismatched_shapes(impl):
@@ -315,6 +381,33 @@ def test_int8_cache_matches_mlx_lm_quantized_cache(impl, int8_model, hd128_ckpt)
     release_all(ours)
 
 
+def test_int8_cache_returns_every_row_dequantized(impl):
+    """Two chunks through the cache: it returns every row so far, the new ones included, each
+    row quantized on its own (mx.quantize's groups of 64 along head_dim) and dequantized."""
+    cache = impl.TinyKvQuantizedCache(64, 8)
+    k, v = random_rows((1, 2, 5, 128), 6), random_rows((1, 2, 5, 128), 7)
+    cache.update_and_fetch(k[:, :, :3], v[:, :, :3])
+    keys, values, _ = cache.update_and_fetch(k[:, :, 3:], v[:, :, 3:])
+    for got, rows, name in ((keys, k, "keys"), (values, v, "values")):
+        parts = mx.quantize(rows, group_size=64, bits=8)
+        want = np.array(mx.dequantize(*parts, group_size=64, bits=8))
+        assert got.shape == want.shape, (
+            f"{name}: shape {got.shape}, want {want.shape}: every row cached so far, the new "
+            "ones included"
+        )
+        unquantized = close(np.array(got), np.array(rows))
+        assert not unquantized, (
+            f"the {name} came back unquantized: store them quantized and return what the "
+            "stored codes, scales and biases dequantize to"
+        )
+        same = close(np.array(got), want)
+        assert same, (
+            f"{name}: not mx.dequantize(mx.quantize(rows)). Likely: "
+            f"{dequantize_hint(got, *parts, 64, 8)}"
+        )
+    release_all([cache])
+
+
 # One-shot and chunked prefill store the same codes: each key row is quantized on its own, so a
 # chunk boundary changes nothing stored, and the comparison needs only the float caches' 1e-4.
 @pytest.mark.parametrize("chunk", [1, 5, 8])
@@ -331,9 +424,11 @@ def test_int8_chunked_prefill_equals_one_shot(int8_model, hd128_ckpt, chunk):
     assert_close(
         got,
         expected,
-        f"chunks of {chunk} against one shot. If only the one-shot run differs, the new "
-        "tokens' keys were attended unquantized: return every position dequantized, the new "
-        "ones included",
+        f"chunks of {chunk} against one shot. The chunking must not change what a token "
+        "stores: each key and value row is quantized on its own, in groups along head_dim (a "
+        "scale over the whole tensor, or the whole chunk, depends on the other tokens). And the "
+        "new tokens' keys are attended dequantized too: return every position dequantized, the "
+        "new ones included",
     )
     token = mx.array([[7]])
     assert_close(

@@ -56,11 +56,6 @@ def test_a_draft_with_another_vocabulary_is_refused(impl, model, tmp_path):
         impl.DraftModel(impl.Qwen3Model(other), model)
 
 
-def test_speculation_needs_the_ragged_pass(impl, model, tokenizer):
-    with pytest.raises(ValueError, match="hybrid"):
-        impl.Engine(model, tokenizer, policy="alternate", speculative=impl.PromptLookup())
-
-
 # --- Task 2: greedy acceptance -------------------------------------------------------------------
 
 
@@ -181,9 +176,8 @@ def other_draft(impl, tmp_path_factory):
 def make_engine(impl, model, tokenizer, speculative, pools=None, batch_size=3, **kwargs):
     settings = dict(max_seq_len=MAX_SEQ_LEN, batch_size=batch_size, prefill_step=16)
     settings.update(kwargs)
-    return impl.Engine(
-        model, tokenizer, pools=pools, policy="hybrid", speculative=speculative, **settings
-    )
+    settings.setdefault("policy", "hybrid")
+    return impl.Engine(model, tokenizer, pools=pools, speculative=speculative, **settings)
 
 
 def proposers(impl, model, other_draft):
@@ -238,6 +232,34 @@ def test_greedy_speculation_generates_the_plain_tokens(
         if engine_pools:
             assert_all_pages_free(engine_pools, f"{name}: every request has ended")
     assert proposer.proposed > 0, "the proposers were meant to guess (test setup)"
+
+
+@pytest.mark.parametrize("cache", ["dense", "paged"])
+def test_the_alternate_policy_checks_guesses_apart_from_prompt_chunks(
+    impl, model, tokenizer, prompts, other_draft, monkeypatch, cache
+):
+    """Under the alternate policy (3.1) a pass holds prompt chunks or decode rows with their
+    guesses, never both, and the greedy text is the plain one."""
+    mod = module(impl)
+    passes, real = [], mod.check_pass
+
+    def spy(scheduler, decoding, chunks, proposer):
+        passes.append((len(decoding), len(chunks)))
+        return real(scheduler, decoding, chunks, proposer)
+
+    monkeypatch.setattr(mod, "check_pass", spy)
+    pools = lambda: None if cache == "dense" else model.create_kv_pools(page_size=PAGE)  # noqa: E731
+    plain = serve_greedy(make_engine(impl, model, tokenizer, None, pools()), prompts, 14)
+    for make in (lambda: impl.PromptLookup(4), lambda: impl.DraftModel(other_draft, model, 2)):
+        passes.clear()
+        engine = make_engine(impl, model, tokenizer, make(), pools(), policy="alternate")
+        got = serve_greedy(engine, prompts, 14, check=no_pages_past_the_end)
+        assert got == plain, f"alternate policy, {cache} caches: other tokens than plain decoding"
+        mixed = [p for p in passes if all(p)]
+        assert not mixed, (
+            f"passes with both decode rows and prompt chunks under the alternate policy: {mixed}"
+        )
+        assert any(d for d, _ in passes) and any(c for _, c in passes), f"passes {passes}"
 
 
 def test_the_budget_counts_every_guess_row(impl, model, tokenizer, prompts, monkeypatch):

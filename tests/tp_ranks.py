@@ -1,7 +1,11 @@
-"""The two-rank half of the Week 4 Day 2 tests: run by every rank under mlx.launch.
+"""The two-rank half of the Week 4 Day 2 tests (and of Week 4 Day 6's expert parallelism):
+run by every rank under mlx.launch.
 
     mlx.launch -n 2 --backend ring --python PYTHON tests/tp_ranks.py
         --impl tiny_llm_ref --out DIR --ckpt DIR --ckpt-kv1 DIR --ckpt-odd-mlp DIR
+    mlx.launch ... tests/tp_ranks.py --impl tiny_llm_ref --out DIR --ckpt MOE_DIR
+        --ckpt-odd-experts DIR --checks moe
+    mlx.launch ... tests/tp_ranks.py --impl tiny_llm_ref --out DIR --ckpt DIR --checks ring
 
 Each rank runs every check in CHECKS, in the same order, and after each one writes what it
 found to DIR/rank<r>.json: {check: null when it passed, else the error text}. A check first
@@ -52,8 +56,10 @@ class Ranks:
         self.group = group
         self.n, self.rank = group.size(), group.rank()
         self.ckpt = load_checkpoint(args.ckpt)
-        self.ckpt_kv1 = load_checkpoint(args.ckpt_kv1)
-        self.ckpt_odd_mlp = load_checkpoint(args.ckpt_odd_mlp)
+        self.ckpt_kv1, self.ckpt_odd_mlp, self.ckpt_odd_experts = (
+            load_checkpoint(path) if path else None
+            for path in (args.ckpt_kv1, args.ckpt_odd_mlp, args.ckpt_odd_experts)
+        )
         self.tokenizer = self.ckpt.tokenizer
         self.ids = self.tokenizer.encode(prompt_with_tokens(self.tokenizer, 11))
         self.prompts = [prompt_with_tokens(self.tokenizer, n) for n in PROMPT_LENGTHS]
@@ -159,6 +165,67 @@ def check_weights_are_split(r: Ranks) -> None:
         part = c.intermediate_size // r.n
         want = [(part, c.hidden_size), (part, c.hidden_size), (c.hidden_size, part)]
         assert shapes == want, f"layer {i}: gate/up/down_proj shapes {shapes}, expected {want}"
+
+
+def reduction_bug(got, want, partial, n: int, where: str) -> str | None:
+    """Which classic mistake makes a row-parallel output `got` differ from the unsharded `want`
+    (`partial`: this rank's product before the all_sum), or None when it matches."""
+    got, want, partial = np.array(got), np.array(want), np.array(partial)
+    if np.allclose(got, want, atol=ATOL, rtol=RTOL):
+        return None
+    if np.allclose(got, partial, atol=ATOL, rtol=RTOL):
+        return f"{where} is this rank's partial sum only: all_sum it over the group"
+    if np.allclose(got, n * want, atol=ATOL, rtol=RTOL):
+        return f"{where} is {n} times the unsharded output: the all_sum is done twice"
+    return f"{where} differs from the unsharded output (max diff {np.abs(got - want).max():.3g})"
+
+
+def check_each_reduction(r: Ranks) -> None:
+    """o_proj and down_proj, each on its own: every rank gets the unsharded output, neither the
+    rank's partial product (a missing all_sum) nor n times the output (one all_sum too many)."""
+    full, shard = r.full.layers[0], r.sharded.layers[0]
+    x = mx.random.normal((1, 5, r.ckpt.config.hidden_size), key=mx.random.key(3))
+    m = shard.mlp
+    partial = (
+        mx.sigmoid(m.gate_proj(x)) * m.gate_proj(x) * m.up_proj(x)
+    ) @ m.down_proj.weight.T  # this rank's product before any all_sum
+    problems = [reduction_bug(m(x), full.mlp(x), partial, r.n, "the MLP's down_proj output")]
+    heads = full.self_attn.num_heads // r.n
+    out = mx.random.normal(
+        (1, full.self_attn.num_heads, 5, r.ckpt.config.head_dim), key=mx.random.key(5)
+    )
+    mine = out[:, r.rank * heads : (r.rank + 1) * heads]  # this rank's heads' outputs
+    partial = mine.swapaxes(1, 2).reshape(1, 5, -1) @ shard.self_attn.o_proj.weight.T
+    got, want = shard.self_attn.project(mine), full.self_attn.project(out)
+    problems.append(reduction_bug(got, want, partial, r.n, "attention's o_proj output"))
+    problems = [p for p in problems if p]
+    assert not problems, "; ".join(problems)
+
+
+def check_heads_are_whole_and_this_ranks(r: Ranks) -> None:
+    """The sharded attention's queries, keys and values are the unsharded ones' heads of this
+    rank: whole heads (rows h * head_dim .. (h + 1) * head_dim of wq), in rank order."""
+    full, shard = r.full.layers[0].self_attn, r.sharded.layers[0].self_attn
+    x = mx.random.normal((1, 4, r.ckpt.config.hidden_size), key=mx.random.key(4))
+    for name, got, want in zip("qkv", shard.qkv(x, 0), full.qkv(x, 0)):
+        per_rank = want.shape[1] // r.n
+        share = lambda rank, w=want, k=per_rank: np.array(w[:, rank * k : (rank + 1) * k])
+        got = np.array(got)
+        if got.shape == share(r.rank).shape and np.allclose(got, share(r.rank), atol=ATOL):
+            continue
+        others = [o for o in range(r.n) if o != r.rank]
+        if any(
+            got.shape == share(o).shape and np.allclose(got, share(o), atol=ATOL) for o in others
+        ):
+            raise AssertionError(
+                f"rank {r.rank}'s {name} heads are another rank's: rank r keeps heads "
+                f"r * {per_rank} .. (r + 1) * {per_rank} - 1"
+            )
+        raise AssertionError(
+            f"rank {r.rank}'s {name} are not whole heads of the unsharded model: split the rows "
+            "of each projection on head boundaries (whole blocks of head_dim rows), so that "
+            "QK-norm and RoPE see whole heads"
+        )
 
 
 def check_chunked_prefill(r: Ranks) -> None:
@@ -274,9 +341,104 @@ def check_errors(r: Ranks) -> None:
     raise AssertionError("sharding a sharded model again must raise ValueError")
 
 
+# --- Week 4 Day 6: expert parallelism on a mixture of experts ------------------------------
+
+
+def check_experts_split(r: Ranks) -> None:
+    """Each rank keeps E / N whole experts of every sparse layer, its own contiguous share,
+    and the whole router."""
+    n_experts, per_rank = r.ckpt.config.num_experts, r.ckpt.config.num_experts // r.n
+    mine = slice(r.rank * per_rank, (r.rank + 1) * per_rank)
+    for i, (layer, full) in enumerate(zip(r.sharded.layers, r.full.layers)):
+        for name in ("w_gate", "w_up", "w_down"):
+            got, whole = getattr(layer.mlp, name), getattr(full.mlp, name)
+            assert got.shape[0] == per_rank, (
+                f"layer {i}: {name} holds {got.shape[0]} experts on rank {r.rank}, expected "
+                f"num_experts / world_size = {n_experts} / {r.n}"
+            )
+            assert mx.array_equal(got, whole[mine]).item(), (
+                f"layer {i}: rank {r.rank} must keep experts {mine.start}..{mine.stop - 1} "
+                f"(its contiguous share, in rank order) of {name}"
+            )
+        assert mx.array_equal(layer.mlp.w_router, full.mlp.w_router).item(), (
+            f"layer {i}: the router stays whole on every rank (every token is routed over all "
+            "experts)"
+        )
+
+
+def check_expert_errors(r: Ranks) -> None:
+    """Experts that do not divide by the world size: a ValueError naming num_experts, and the
+    model is unchanged."""
+    model = r.impl.Qwen3Model(r.ckpt_odd_experts)
+    layers = list(model.layers)
+    try:
+        model.shard(r.group)
+    except ValueError as e:
+        assert "num_experts" in str(e), f"the error must name num_experts: {e}"
+    else:
+        raise AssertionError(
+            f"{r.ckpt_odd_experts.config.num_experts} experts over {r.n} ranks must raise"
+        )
+    assert model.layers == layers, "a failed shard() must leave the model as it was"
+
+
+# --- Week 4 Day 7: ring attention, the prompt split over the ranks ----------------------------
+
+
+def check_ring_prefill(r: Ranks) -> None:
+    """The 11-token prompt split 6 / 5: the last token's logits equal one process's, on every
+    rank."""
+    _, logits = r.impl.ring_prefill(r.full, r.ids, r.group)
+    close(
+        logits, r.full_logits()[:, -1, :],
+        "ring prefill, last token's logits vs one process (is each block that arrives merged "
+        "only when it comes from an earlier part, and the own part attended causally?)",
+    )  # fmt: skip
+
+
+def check_ring_holds_its_part(r: Ranks) -> None:
+    """Each rank keeps the keys/values of its own part only, the ones one process computes
+    for those positions."""
+    caches, _ = r.impl.ring_prefill(r.full, r.ids, r.group)
+    start, stop = r.impl.split_sequence(len(r.ids), r.n)[r.rank]
+    whole = r.full.create_kv_cache()
+    r.full(mx.array([r.ids]), 0, whole)
+    for i, (cache, full) in enumerate(zip(caches, whole)):
+        assert cache.holds == stop - start, (
+            f"layer {i}: rank {r.rank} holds {cache.holds} tokens, its part is {start}..{stop - 1}"
+        )
+        close(cache.local.keys[:, :, : cache.holds], full.keys[:, :, start:stop], f"layer {i} keys")
+
+
+def check_ring_decode(r: Ranks) -> None:
+    """Eight greedy tokens after the ring prefill: the one-process tokens, every rank the same;
+    the new tokens' keys/values go to the last rank."""
+    got = r.impl.ring_generate(r.full, r.ids, r.group, 8)
+    want = list(r.impl.simple_generate_with_kv_cache(r.full, r.ids, 8))
+    assert got == want, (
+        f"tokens after the ring prefill {got} != one process {want} (a decode step merges "
+        "every rank's partial result: max, sum and output)"
+    )
+
+
+RING_CHECKS = [check_ring_prefill, check_ring_holds_its_part, check_ring_decode]
+
+MOE_CHECKS = [
+    check_experts_split,
+    check_one_shot_logits,
+    check_chunked_prefill,
+    check_cached_decode,
+    check_greedy_text,
+    check_batch_generate,
+    check_ragged,
+    check_expert_errors,
+]
+
 CHECKS = [
     check_linears,
     check_linear_errors,
+    check_heads_are_whole_and_this_ranks,
+    check_each_reduction,
     check_one_shot_logits,
     check_weights_are_split,
     check_chunked_prefill,
@@ -319,7 +481,8 @@ def run_checks(args: argparse.Namespace, group, report: Report) -> None:
     except Exception as e:  # no model can be built yet (an earlier stub): every check fails
         ranks, setup_error = None, error_text(e)
     found: dict[str, str | None] = {}
-    for check in CHECKS:
+    checks = {"tp": CHECKS, "moe": MOE_CHECKS, "ring": RING_CHECKS}[args.checks]
+    for check in checks:
         report.write(running=check.__name__)
         if args.die_on_rank == group.rank():
             time.sleep(DIE_AFTER_S)  # the other ranks are waiting in the check's first all_sum
@@ -340,8 +503,11 @@ def run_check(check, ranks: Ranks) -> str | None:
 
 def main() -> int:
     p = argparse.ArgumentParser()
-    for name in ("--impl", "--out", "--ckpt", "--ckpt-kv1", "--ckpt-odd-mlp"):
+    for name in ("--impl", "--out", "--ckpt"):
         p.add_argument(name, required=True)
+    for name in ("--ckpt-kv1", "--ckpt-odd-mlp", "--ckpt-odd-experts"):
+        p.add_argument(name)
+    p.add_argument("--checks", choices=("tp", "moe", "ring"), default="tp")
     p.add_argument(
         "--die-on-rank", type=int, help="for the tests of this harness: that rank raises"
     )

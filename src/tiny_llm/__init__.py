@@ -23,6 +23,14 @@ from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
+from .moe import (
+    ExpertParallelMoE,
+    Qwen3SparseMoE,
+    experts_grouped,
+    experts_loop,
+    route,
+    run_pairs,
+)
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
 from .prefix_cache import (
@@ -58,9 +66,23 @@ from .qwen3_week1 import (
     take_weight,
 )
 from .request import Request
+from .ring_attention import (
+    RingKvCache,
+    merge_ranks,
+    ring_generate,
+    ring_prefill,
+    ring_prefill_attention,
+    split_sequence,
+)
 from .sampler import SamplingParams, keep_top_p, make_sampler, pick_tokens, sample_rows
 from .scheduler import BatchStep, Scheduler, decode_step
 from .shape_stable import CompileCache, CompiledBlock, prefill_query_width
+from .sliding_window import (
+    TinyKvWindowedCache,
+    TinyKvWindowedPagedCache,
+    window_mask,
+    windowed_attention,
+)
 from .speculative import (
     DraftModel,
     PromptLookup,
@@ -74,6 +96,22 @@ from .stall_free import Segment, forward_ragged, hybrid_step
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 __all__ = [
+    "RingKvCache",
+    "TinyKvWindowedCache",
+    "TinyKvWindowedPagedCache",
+    "merge_ranks",
+    "ring_generate",
+    "ring_prefill",
+    "ring_prefill_attention",
+    "split_sequence",
+    "window_mask",
+    "windowed_attention",
+    "ExpertParallelMoE",
+    "Qwen3SparseMoE",
+    "experts_grouped",
+    "experts_loop",
+    "route",
+    "run_pairs",
     "DraftModel",
     "PromptLookup",
     "accept_greedy",

@@ -14,6 +14,7 @@ from .qwen3 import Qwen3Model
 from .sampler import SamplingParams
 from .scheduler import BatchStep
 from .shape_stable import Ladder
+from .speculative import DraftModel, PromptLookup
 
 
 def output_budgets(max_new_tokens: int | list[int | None] | None, n: int) -> list[int | None]:
@@ -40,14 +41,18 @@ def batch_generate(
     ignore_eos: bool = False,
     query_padding: bool | Ladder | None = None,
     policy: str = "alternate",
+    speculative: PromptLookup | DraftModel | None = None,
 ) -> list[tuple[int, str]]:
     """Greedy-decode every prompt with continuous batching; returns (prompt_idx, text) in order.
 
     prefill_step is the chunk budget (Request's prefill_max_step); under the hybrid policy it
     is the token budget of a whole forward pass, decode rows included. Prompts are text or
     token ids; max_new_tokens is one limit for all or one per prompt; query_padding as for
-    Request. Every prompt and limit is checked before any cache exists. A prompt that could
-    never fit the pool is refused (an on_step "refuse" event) and has no result.
+    Request. speculative is a proposer (Week 4 Day 5), whose guesses the hybrid policy checks
+    as extra decode rows; the texts stay the same, and the proposer counts the guesses it
+    made and the model kept (its proposed and accepted). Every prompt and limit is checked
+    before any cache exists. A prompt that could never fit the pool is refused (an on_step
+    "refuse" event) and has no result.
     """
     results: dict[int, str] = {}
 
@@ -59,7 +64,7 @@ def batch_generate(
 
     engine = Engine(
         model, tokenizer, max_seq_len, batch_size, prefill_step, pools, policy, query_padding,
-        record,
+        record, speculative,
     )  # fmt: skip
     budgets = output_budgets(max_new_tokens, len(prompts))
     tokens = [engine.check_prompt(prompt, idx) for idx, prompt in enumerate(prompts)]

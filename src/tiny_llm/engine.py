@@ -95,11 +95,6 @@ class Engine:
         check_limits(max_seq_len, batch_size, prefill_step)
         if policy not in POLICIES:
             raise ValueError(f"unknown policy {policy!r}: use one of {', '.join(POLICIES)}")
-        if speculative is not None and policy != "hybrid":
-            raise ValueError(
-                "speculative decoding checks a request's guesses as extra rows of the hybrid "
-                "policy's ragged pass (Week 3 Day 4): use policy='hybrid'"
-            )
         self.speculative = speculative  # a proposer (Week 4 Day 5), or None
         self.model, self.tokenizer, self.pools = model, tokenizer, pools
         self.max_seq_len, self.prefill_step, self.policy = max_seq_len, prefill_step, policy
@@ -181,7 +176,7 @@ class Engine:
 
     def iterate(self) -> None:
         if self.speculative is not None:
-            speculative_step(self.scheduler, self.prefill_step, self.speculative)
+            speculative_step(self.scheduler, self.prefill_step, self.speculative, self.policy)
         elif self.policy == "hybrid":
             hybrid_step(self.scheduler, self.prefill_step, self.ladder)
         else:
@@ -202,10 +197,19 @@ class Engine:
                     "finished request must leave its slot in the iteration it ends"
                 )
         if self.progress() == before:
+            s = self.scheduler
+            pages = ""
+            if self.pools and self.pools[0].max_pages is not None:
+                pages = f", {int(free_pages(self.pools))} of {self.pools[0].max_pages} pages free"
             raise RuntimeError(
                 f"the {self.policy} scheduler made no progress in an iteration: no prompt "
                 "token was prefilled, no token generated, no request admitted, preempted or "
-                "finished"
+                f"finished ({len(s.pending)} waiting, {len(s.running())} in slots, "
+                f"{'one' if s.prefilling else 'none'} prefilling outside the slots{pages}). "
+                "Likely causes: pages that never come back to the pool (a preempted request "
+                "must release its caches in Request.preempt, a finished one in finish), so the "
+                "next prompt waits for them forever; a prompt that is admitted but never given "
+                "a chunk; an iteration that skips the decode rows"
             )
 
     def collect(self, stream: Stream) -> RequestOutput | None:

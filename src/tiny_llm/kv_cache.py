@@ -13,9 +13,13 @@ class TinyKvCache:
 
     A cache whose reads_in_place is true also offers attend(): it appends and attends over its
     own storage where it lies (Week 3 Day 5), and the attention layer calls that instead.
+
+    window: the sliding window of the layer the cache serves (Week 4 Day 7), None for full
+    attention.
     """
 
     reads_in_place = False
+    window: int | None = None
 
     @property
     def offset(self) -> int | list[int]:

@@ -30,10 +30,12 @@ def pages_for(request, tokens: int) -> int:
 
 
 def free_pages(pools) -> float:
-    """Pages the pools can still hand out (infinite without pools or without a limit)."""
+    """Pages the pools can still hand out (infinite without pools or without a limit): those
+    of the fullest pool, since every layer takes its pages at once (a layer with a sliding
+    window, Week 4 Day 7, gives pages back and may hold fewer)."""
     if not pools or pools[0].max_pages is None:
         return math.inf
-    return pools[0].max_pages - pools[0].num_in_use
+    return pools[0].max_pages - max(pool.num_in_use for pool in pools)
 
 
 def refusal(longest: int, pools) -> str | None:

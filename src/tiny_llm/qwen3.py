@@ -14,12 +14,15 @@ from tiny_llm_support import Checkpoint, Qwen3Config, check_quant_format
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
 from .kv_cache import TinyKvCache, TinyKvFullCache
+from .mlp import Qwen3MLP
+from .moe import ExpertParallelMoE, Qwen3SparseMoE
 from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
 from .prefix_cache import TinyKvSharedPool, TinyKvSharedQuantizedPool
 from .quantize import QuantizedWeight
 from .quantized_kv_cache import TinyKvQuantizedCache, TinyKvQuantizedPagedPool
 from .qwen3_week1 import Qwen3ModelWeek1, Qwen3MultiHeadAttention, Qwen3TransformerBlock
 from .shape_stable import CompiledBlock
+from .sliding_window import TinyKvWindowedCache, TinyKvWindowedPagedCache
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 
@@ -110,6 +113,16 @@ def shard_blocks(
     raise NotImplementedError("Week 4 Day 2, Task 4: check every split, then shard every block")
 
 
+def shard_mlp(
+    mlp: Qwen3MLP | Qwen3SparseMoE, group: mx.distributed.Group
+) -> TensorParallelMLP | ExpertParallelMoE:
+    """This rank's share of a feed-forward block: a slice of every intermediate feature of a
+    dense MLP (Week 4 Day 2), or whole experts of a mixture of experts (Week 4 Day 6)."""
+    if isinstance(mlp, Qwen3SparseMoE):
+        return ExpertParallelMoE(mlp, group)
+    return TensorParallelMLP(mlp, group)
+
+
 class Qwen3Model(Qwen3ModelWeek1):
     """tokens [B, L] at position offset -> logits [B, L or logits_to_keep, vocab].
 
@@ -121,6 +134,7 @@ class Qwen3Model(Qwen3ModelWeek1):
 
     attention_cls = Qwen3AttentionWithCache
     block_cls = Qwen3BlockWithCache
+    honors_windows = True  # its caches read each layer's sliding window (Week 4 Day 7)
 
     def __init__(
         self,
@@ -139,11 +153,19 @@ class Qwen3Model(Qwen3ModelWeek1):
                     f"head_dim {ckpt.config.head_dim} is not a multiple of kv_group_size "
                     f"{kv_group_size}"
                 )
+        if kv_bits is not None and ckpt.config.layer_windows:
+            raise ValueError(
+                "a quantized KV cache (kv_bits) does not support sliding-window layers yet: "
+                "build the model with kv_bits=None"
+            )
         super().__init__(ckpt, max_seq_len, quantized_linear)
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.compiled, self.compile_capacity = compiled, compile_capacity
         self.group: mx.distributed.Group | None = None  # set by shard()
         if compiled:
+            for layer in self.layers:
+                if isinstance(layer.mlp, Qwen3SparseMoE):
+                    layer.mlp.grouped = True  # the loop picks tokens on the host: not traceable
             self.layers = [CompiledBlock(layer, compile_capacity) for layer in self.layers]
 
     def shard(self, group: mx.distributed.Group) -> None:
@@ -162,6 +184,12 @@ class Qwen3Model(Qwen3ModelWeek1):
                 "tensor parallelism splits float weights: to shard a quantized checkpoint, "
                 "build the model with quantized_linear='dequantize-at-load'"
             )
+        if self.compiled and any(isinstance(b.mlp, Qwen3SparseMoE) for b in blocks):
+            raise ValueError(
+                "expert parallelism picks each rank's (token, expert) pairs on the host, which "
+                "a compiled block cannot do: build the model with compiled=False to shard a "
+                "mixture of experts"
+            )
         blocks = shard_blocks(self.config, blocks, group)
         if self.compiled:
             blocks = [CompiledBlock(block, self.compile_capacity) for block in blocks]
@@ -179,7 +207,8 @@ class Qwen3Model(Qwen3ModelWeek1):
                 TinyKvQuantizedCache(self.kv_group_size, self.kv_bits)
                 for _ in range(self.num_hidden_layers)
             ]
-        return [TinyKvFullCache() for _ in range(self.num_hidden_layers)]
+        windows = [self.config.window(i) for i in range(self.num_hidden_layers)]
+        return [TinyKvFullCache() if w is None else TinyKvWindowedCache(w) for w in windows]
 
     def create_kv_pools(
         self,
@@ -192,6 +221,11 @@ class Qwen3Model(Qwen3ModelWeek1):
         read_in_place: attention reads the pages where they lie (Week 3 Day 5) instead of
         gathering them; prefix_cache: full pages are shared by content (Week 4 Day 4)."""
         h_kv = self.layers[0].self_attn.num_kv_heads
+        if prefix_cache and self.config.layer_windows:
+            raise ValueError(
+                "prefix caching shares full pages, which a sliding-window layer gives back: "
+                "it is not supported for a model with windowed layers"
+            )
         if self.kv_bits is not None:
             if read_in_place:
                 raise ValueError(
@@ -220,7 +254,11 @@ class Qwen3Model(Qwen3ModelWeek1):
     def create_paged_kv_cache(self, pools: list[TinyKvPagedPool]) -> list[TinyKvPagedCache]:
         if len(pools) != self.num_hidden_layers:
             raise ValueError(f"{len(pools)} pools for {self.num_hidden_layers} layers")
-        return [TinyKvPagedCache(pool) for pool in pools]
+        windows = [self.config.window(i) for i in range(self.num_hidden_layers)]
+        return [
+            TinyKvPagedCache(pool) if w is None else TinyKvWindowedPagedCache(pool, w)
+            for pool, w in zip(pools, windows)
+        ]
 
     def __call__(
         self,

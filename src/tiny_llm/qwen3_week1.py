@@ -8,6 +8,7 @@ from .attention import scaled_dot_product_attention_grouped
 from .basics import linear
 from .layer_norm import RMSNorm
 from .mlp import Qwen3MLP
+from .moe import Qwen3SparseMoE
 from .positional_encoding import RoPE
 from .quantize import QuantizedWeight, layer_weights
 
@@ -120,18 +121,33 @@ def build_block(
         rms_norm_eps=c.rms_norm_eps,
         rope=rope,
     )
-    mlp = Qwen3MLP(
-        c.hidden_size,
-        c.intermediate_size,
-        w[p + "mlp.gate_proj.weight"],
-        w[p + "mlp.up_proj.weight"],
-        w[p + "mlp.down_proj.weight"],
-    )
     return block_cls(
         attention,
-        mlp,
+        build_mlp(c, w, i),
         RMSNorm(c.hidden_size, w[p + "input_layernorm.weight"], c.rms_norm_eps),
         RMSNorm(c.hidden_size, w[p + "post_attention_layernorm.weight"], c.rms_norm_eps),
+    )
+
+
+def build_mlp(c: Qwen3Config, w: dict[str, mx.array], i: int) -> Qwen3MLP | Qwen3SparseMoE:
+    """Layer i's feed-forward block: the dense SwiGLU, or in a sparse layer of a mixture of
+    experts (Week 4 Day 6) the router and the stacked experts."""
+    p = f"model.layers.{i}.mlp."
+    if c.is_sparse(i):
+        return Qwen3SparseMoE(
+            c.num_experts_per_tok,
+            c.norm_topk_prob,
+            w[p + "gate.weight"],
+            w[p + "switch_mlp.gate_proj.weight"],
+            w[p + "switch_mlp.up_proj.weight"],
+            w[p + "switch_mlp.down_proj.weight"],
+        )
+    return Qwen3MLP(
+        c.hidden_size,
+        c.intermediate_size,
+        w[p + "gate_proj.weight"],
+        w[p + "up_proj.weight"],
+        w[p + "down_proj.weight"],
     )
 
 
@@ -144,6 +160,7 @@ class Qwen3ModelWeek1:
 
     attention_cls = Qwen3MultiHeadAttention
     block_cls = Qwen3TransformerBlock
+    honors_windows = False  # every layer attends to every earlier position
 
     def __init__(
         self,
@@ -152,6 +169,12 @@ class Qwen3ModelWeek1:
         quantized_linear: str | None = None,
     ):
         c = ckpt.config
+        if c.layer_windows and not self.honors_windows:
+            raise ValueError(
+                f"{ckpt.path}: layers with a sliding window ({c.raw.get('sliding_window')} "
+                f"positions) need Qwen3Model, whose caches honor it (Week 4 Day 7); "
+                f"{type(self).__name__} would attend to every position"
+            )
         w = checked_weights(ckpt, quantized_linear)
         self.config = c
         self.num_hidden_layers = c.num_hidden_layers

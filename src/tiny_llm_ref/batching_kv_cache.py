@@ -37,9 +37,13 @@ class BatchingKvCache(TinyKvCache):
     @property
     def reads_in_place(self) -> bool:
         """True when every active request is a paged cache that reads in place, all on one
-        pool."""
+        pool, for a layer without a sliding window (Week 4 Day 7: those read only their
+        window, through their own update_and_fetch)."""
         caches = [self.slots[i] for i in self.active_slots]
-        paged = all(isinstance(c, TinyKvPagedCache) and c.reads_in_place for c in caches)
+        paged = all(
+            isinstance(c, TinyKvPagedCache) and c.reads_in_place and c.window is None
+            for c in caches
+        )
         return bool(caches) and paged and len({id(c.pool) for c in caches}) == 1
 
     def add_request(self, prefilled: TinyKvCache, slot: int) -> None:

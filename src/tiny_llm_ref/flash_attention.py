@@ -48,8 +48,13 @@ def merge_partials(first: Partial, second: Partial) -> Partial:
     # END TASK
 
 
-def finish(partial: Partial) -> mx.array:
+def finish(partial: Partial | None) -> mx.array:
     """The attention output [..., L, D] of a partial that has seen every key."""
+    if partial is None:
+        raise ValueError(
+            "no key block was merged for a block of queries: every query sees at least its own "
+            "position, so the key loop must run up to the block's last row (stop at last + 1)"
+        )
     _, l, o = partial
     return o / l
 

@@ -96,9 +96,9 @@ class QuantizedWeight:
         self.group_size, self.bits, self.kernel = group_size, bits, kernel
 
     @property
-    def shape(self) -> tuple[int, int]:
-        """The shape of the float weight it stands for."""
-        return self.codes.shape[0], self.codes.shape[1] * 32 // self.bits
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the float weight it stands for ([E, O, I] for stacked experts)."""
+        return (*self.codes.shape[:-1], self.codes.shape[-1] * 32 // self.bits)
 
     @property
     def dtype(self) -> mx.Dtype:

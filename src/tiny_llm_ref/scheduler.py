@@ -33,7 +33,10 @@ class BatchStep:
     With a bounded page pool (Week 3 Day 6) also "admit", "wait" (the next prompt waits for
     pages), "preempt" (`request` gave its pages back) and "refuse" (`request` can never fit;
     `detail` says why). `slots` is a copy of the slot list at the moment of the event;
-    `forward_pass` counts the model calls of the call, so events of one pass share it.
+    `forward_pass` counts the model calls so far: "prefill", "decode" and "finish" come after
+    their pass and carry its number, so the events of one pass share it; "admit", "wait",
+    "preempt" and "refuse" come while the next pass is planned and carry the number of the
+    last pass run (the views add one to place them in the pass they prepare).
     """
 
     kind: str

@@ -172,15 +172,27 @@ def accept_sampled(p: mx.array, draft: Draft, key_of) -> list[int]:
     # END TASK
 
 
-def speculative_step(scheduler, budget: int, proposer) -> None:
-    """One iteration of the hybrid policy (3.4) in which every decoding request brings the
-    proposer's guesses: its row becomes 1 + k rows, the budget and the pages count them, the
-    model scores every row in one pass, and each request keeps what the accept rule keeps."""
+def speculative_step(scheduler, budget: int, proposer, policy: str = "hybrid") -> None:
+    """One iteration in which every decoding request brings the proposer's guesses: its row
+    becomes 1 + k rows, the budget and the pages count them, the model scores every row at once,
+    and each request keeps what the accept rule keeps. Under the hybrid policy (3.4) the prompt
+    chunks share that pass; under the alternate policy (3.1) they run in a pass of their own
+    first, then the decode rows with their guesses."""
     decoding, chunks = plan_pass(
         scheduler,
         budget,
         lambda r, most: proposer.propose(r, min(most, proposer.num_draft_tokens, remaining(r))),
     )
+    passes = [(decoding, chunks)] if policy == "hybrid" else [([], chunks), (decoding, [])]
+    for rows, part in passes:
+        if rows or part:
+            check_pass(scheduler, rows, part, proposer)
+    proposer.forget({r.prompt_idx for r in scheduler.running() if r.is_prefill_done})
+
+
+def check_pass(scheduler, decoding: list, chunks: list, proposer) -> None:
+    """One forward pass over the decoding requests' rows (the last token and the guesses of
+    each) and the prompt chunks, then what each keeps."""
     segments, tokens, rows = [], [], []
     for request in decoding:
         ids = request.generated[-1:] + request.draft.tokens
@@ -201,7 +213,6 @@ def speculative_step(scheduler, budget: int, proposer) -> None:
         if request.is_done:
             scheduler.slots[scheduler.slots.index(request)] = None
             scheduler.finish(request)
-    proposer.forget({r.prompt_idx for r in scheduler.running() if r.is_prefill_done})
 
 
 def keep_checked(decoding: list, logits: mx.array, proposer) -> tuple[int, int]:

@@ -39,7 +39,7 @@ _MODULE_OF = {
     ],
     "models": ["SHORTCUTS", "ModelNotAvailableError", "resolve_model"],
     "oracle": ["mlx_lm_qwen3"],
-    "tiny": ["make_tiny_checkpoint", "random_weights"],
+    "tiny": ["make_tiny_checkpoint", "make_tiny_moe_checkpoint", "random_weights"],
     "tokenizer": ["StreamingDetokenizer", "Tokenizer", "load_tokenizer"],
 }
 _WHERE = {name: module for module, names in _MODULE_OF.items() for name in names}

@@ -8,17 +8,18 @@ and the lines that describe them.
     --gather              read the pages by gathering them (2.2) instead of in place (3.5)
     --prefix-cache        full pages shared by content between prompts (4.4)
     --speculative ngram|PATH, --num-draft-tokens K
-                          guesses checked in the decode pass (4.5; serve only)
+                          guesses checked in the decode pass (4.5)
 
 The prefix cache is off unless asked for in batch-main. serve turns it on by default for a
 bounded pool (--max-pages) and refuses it for an unbounded one: a cached page leaves the cache
 only when an allocation finds no free page, which never happens in a pool without a limit, so
 a server that runs for days would keep every page it ever filled.
 
-Speculative decoding is serve's alone (batch_generate takes no proposer). Its guesses are extra
-rows of the hybrid policy's pass, so --speculative brings --policy hybrid with it and refuses an
-explicit --policy alternate. `ngram` is prompt lookup; anything else names a draft model the way
---model does, checked at start-up to share the model's vocabulary.
+Speculative decoding's guesses are extra rows of a ragged pass, where the hybrid policy puts
+prompt chunks beside them, so --speculative brings --policy hybrid with it (the default policy
+is alternate without it); an explicit --policy alternate checks the guesses in passes of their
+own. `ngram` is prompt lookup; anything else names a draft model the way --model does, checked
+at start-up to share the model's vocabulary.
 
 Every check here runs before any model call; a setting a solution has not written yet stops
 with its task message when batch_generate reaches it (serve looks for the prefix cache's first
@@ -32,7 +33,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .cli import UsageError, int_at_least
+from .cli import DTYPES, UsageError, int_at_least
 from .models import resolve_model
 
 POLICIES = ("alternate", "hybrid")
@@ -43,9 +44,9 @@ LOOKUP_NGRAM = 3  # the longest run of last tokens prompt lookup looks for
 
 
 def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
-    """--compile, --policy, --max-pages, --page-size, --read-in-place / --gather and
-    --prefix-cache / --no-prefix-cache. `serving`: serve's help text (the prefix cache's
-    default differs, see check_arguments), and --speculative with --num-draft-tokens."""
+    """--compile, --policy, --max-pages, --page-size, --read-in-place / --gather,
+    --prefix-cache / --no-prefix-cache, --speculative and --num-draft-tokens. `serving`:
+    serve's help text (the prefix cache's default differs, see check_arguments)."""
     g = p.add_argument_group("scheduler (Week 3 Days 3-6, Week 4 Day 4)")
     g.add_argument(
         "--compile",
@@ -55,11 +56,10 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
     g.add_argument(
         "--policy",
         choices=POLICIES,
-        # serve: None until check_arguments knows whether --speculative asks for hybrid
-        default=None if serving else "alternate",
+        default=None,  # until check_arguments knows whether --speculative asks for hybrid
         help="alternate: a prefill chunk, then a decode pass; hybrid: one pass holding every "
-        "decode row and prompt chunks, --prefill-step rows in all (3.4)"
-        + ("; default: alternate, hybrid with --speculative" if serving else ""),
+        "decode row and prompt chunks, --prefill-step rows in all (3.4); default: alternate, "
+        "hybrid with --speculative",
     )
     g.add_argument(
         "--max-pages",
@@ -99,8 +99,7 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
         help="share the KV pages of full prompt blocks by content, so a prompt that starts like "
         f"an earlier one skips that part of its prefill (4.4; needs pages; {default})",
     )
-    if serving:
-        add_speculative_arguments(p)
+    add_speculative_arguments(p)
 
 
 def add_speculative_arguments(p: argparse.ArgumentParser) -> None:
@@ -153,12 +152,16 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
             "--max-pages is never full: the server would keep every page it filled; add "
             "--max-pages N (or --no-prefix-cache)"
         )
-    if serving:
-        problem = check_speculative_arguments(args)
-        if problem:
-            return problem
+    problem = check_speculative_arguments(args)
+    if problem:
+        return problem
     if args.prefix_cache is None:
         args.prefix_cache = serving and args.max_pages is not None
+    if args.page_size is not None and args.page_size > args.max_seq_len:
+        return (
+            f"--page-size {args.page_size} is more than --max-seq-len {args.max_seq_len}: a page "
+            "would hold more tokens than a request can have"
+        )
     if paged:
         args.page_size = args.page_size or DEFAULT_PAGE_SIZE
         args.read_in_place = args.read_in_place is not False
@@ -175,8 +178,8 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
 
 
 def check_speculative_arguments(args: argparse.Namespace) -> str | None:
-    """serve's --speculative and --num-draft-tokens against --policy; fills in the policy
-    (hybrid with speculation, else alternate) and the number of guesses."""
+    """--speculative and --num-draft-tokens; fills in the policy when none was given (hybrid
+    with speculation, else alternate) and the number of guesses."""
     if args.speculative is None:
         if args.num_draft_tokens is not None:
             return (
@@ -185,13 +188,7 @@ def check_speculative_arguments(args: argparse.Namespace) -> str | None:
             )
         args.policy = args.policy or "alternate"
         return None
-    if args.policy == "alternate":
-        return (
-            "--speculative checks its guesses as extra rows of the hybrid policy's pass (Week 3 "
-            "Day 4), which --policy alternate does not run: drop --policy alternate "
-            "(--speculative uses --policy hybrid)"
-        )
-    args.policy = "hybrid"
+    args.policy = args.policy or "hybrid"
     args.num_draft_tokens = args.num_draft_tokens or DEFAULT_DRAFT_TOKENS
     return None
 
@@ -230,13 +227,42 @@ def check_draft(args: argparse.Namespace, config: Any, draft_config: Any) -> str
     return None
 
 
-def check_model(args: argparse.Namespace, config: Any) -> str | None:
-    """What is wrong with the settings for this model, or None."""
+def check_model(args: argparse.Namespace, config: Any, dtype: str) -> str | None:
+    """What is wrong with the settings for this model in `dtype`, or None."""
     limit = config.max_position_embeddings
     if args.max_seq_len > limit:
         return (
             f"--max-seq-len {args.max_seq_len} is more than the model's {limit} positions "
             "(max_position_embeddings in its config.json)"
+        )
+    return check_memory(args, config, dtype)
+
+
+def check_memory(args: argparse.Namespace, config: Any, dtype: str) -> str | None:
+    """Settings whose KV caches alone could not fit in the memory MLX may use, or None. Dense
+    caches keep a row for every slot, as long as the longest request: --batch-size rows of up
+    to --max-seq-len tokens. A page pool with --max-pages holds that many pages, and as every
+    running request writes to a page of its own, no more requests than pages run at once."""
+    import mlx.core as mx
+
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].size
+    if args.max_pages is None:
+        tokens = args.batch_size * args.max_seq_len
+        held = f"--batch-size {args.batch_size} rows of --max-seq-len {args.max_seq_len} tokens"
+    elif args.batch_size > args.max_pages:
+        return (
+            f"--batch-size {args.batch_size} is more than --max-pages {args.max_pages}: every "
+            "running request writes to a page of its own, so the other slots would stay empty"
+        )
+    else:
+        tokens = args.max_pages * args.page_size
+        held = f"--max-pages {args.max_pages} of {args.page_size} tokens"
+    need, limit = tokens * per_token, mx.get_memory_limit()
+    if need > limit:
+        return (
+            f"{held} need {need / 2**30:.1f} GiB of KV cache ({per_token} bytes a token in "
+            f"{dtype}), more than the {limit / 2**30:.1f} GiB MLX may use on this machine"
         )
     return None
 
@@ -313,9 +339,11 @@ def engine_keywords(proposer: Any) -> dict[str, Any]:
     return {} if proposer is None else {"speculative": proposer}
 
 
-def batch_keywords(args: argparse.Namespace, pools: list | None) -> dict[str, Any]:
+def batch_keywords(
+    args: argparse.Namespace, pools: list | None, proposer: Any = None
+) -> dict[str, Any]:
     """batch_generate's keywords for these settings, beyond the 3.1 ones."""
-    keywords: dict[str, Any] = {}
+    keywords: dict[str, Any] = engine_keywords(proposer)
     if args.policy != "alternate":
         keywords["policy"] = args.policy
     if pools is not None:
@@ -324,7 +352,7 @@ def batch_keywords(args: argparse.Namespace, pools: list | None) -> dict[str, An
 
 
 def describe(args: argparse.Namespace) -> str:
-    """One line: the policy, compilation, the KV storage and speculation (serve)."""
+    """One line: the policy, compilation, the KV storage and speculation."""
     if args.policy == "hybrid":
         policy = f"hybrid policy (one pass: decode rows + prompt chunks, {args.prefill_step} rows)"
     else:
@@ -350,21 +378,27 @@ def describe(args: argparse.Namespace) -> str:
     return line
 
 
-def unfinished_hint(args: argparse.Namespace, error: NotImplementedError) -> str:
-    """A way around a missing exercise that is only a setting's."""
+def unfinished_hint(
+    args: argparse.Namespace, error: NotImplementedError, command: str = "the server"
+) -> str:
+    """A way around a missing exercise that is only a setting's; `command` names what runs
+    without it."""
     if args.read_in_place and "Week 3 Day 5" in str(error):
         return "; --gather serves the pages without Week 3 Day 5"
     if args.prefix_cache and "Week 4 Day 4" in str(error):
         return "; --no-prefix-cache serves the pages without Week 4 Day 4"
     if getattr(args, "speculative", None) is not None and "Week 4 Day 5" in str(error):
-        return "; without --speculative the server runs without Week 4 Day 5"
+        return f"; without --speculative {command} runs without Week 4 Day 5"
     return ""
 
 
-def summary_lines(model: Any, pools: list | None, cached_tokens: int = 0) -> list[str]:
-    """What the settings did over the run: compilations, the pool's peak, and with a prefix
+def summary_lines(
+    model: Any, pools: list | None, cached_tokens: int = 0, proposer: Any = None
+) -> list[str]:
+    """What the settings did over the run: compilations, the pool's peak, with a prefix
     cache the tokens its admissions found cached (`cached_tokens`, the sum of the "admit"
-    events' tokens; a preempted request admitted again counts too)."""
+    events' tokens; a preempted request admitted again counts too), and with speculation the
+    guesses the proposer made and the model kept."""
     lines = []
     stats = model.compile_stats() if getattr(model, "compiled", False) else None
     if stats:
@@ -384,4 +418,12 @@ def summary_lines(model: Any, pools: list | None, cached_tokens: int = 0) -> lis
                 f"prefix cache: {cached_tokens} tokens found cached at admissions, "
                 f"{pool.num_cached} pages cached at the end, {pool.evictions} evicted"
             )
+    if proposer is not None:
+        lines.append(speculative_line(proposer.proposed, proposer.accepted))
     return lines
+
+
+def speculative_line(proposed: int, accepted: int) -> str:
+    """The guesses made and kept over the run, and the share kept."""
+    share = f" ({accepted / proposed:.0%})" if proposed else ""
+    return f"speculative decoding: {proposed} tokens proposed, {accepted} accepted{share}"

@@ -26,9 +26,10 @@ FRAME_INTERVAL_S = 1 / 10  # the live view redraws at most this often
 SUMMARY_TITLE = (
     "Per request (all arrive at t = 0): prompt tokens, prefill chunks, wait before its first "
     "chunk, time to first token, tokens generated, decode tokens/s, longest gap between two "
-    "of its tokens, times preempted (with a bounded page pool), why it stopped (eos, length: "
-    "max-seq-len, or refused: larger than the page pool)"
+    "of its tokens, why it stopped (eos, length: max-seq-len, or refused: larger than the page "
+    "pool)"
 )
+PREEMPTED_TITLE = ", and before it how many times it was preempted (its pages taken back)"
 
 
 def chunk_text(record: RequestRecord) -> str:
@@ -251,6 +252,7 @@ def print_summary(out: Callable[[str], None], rec: BatchRecorder, console: Any |
     preempted = any(r.preemptions for r in records)
     if preempted:  # a bounded page pool (Week 3 Day 6) took requests' pages back
         headers.insert(-1, "preempted")
+    title = SUMMARY_TITLE + (PREEMPTED_TITLE if preempted else "")
     rows = []
     for idx, r in sorted(rec.requests.items()):
         rate = r.decode_rate()
@@ -273,14 +275,14 @@ def print_summary(out: Callable[[str], None], rec: BatchRecorder, console: Any |
         from rich import box
         from rich.table import Table
 
-        table = Table(title=SUMMARY_TITLE, title_justify="left", box=box.SIMPLE_HEAD)
+        table = Table(title=title, title_justify="left", box=box.SIMPLE_HEAD)
         for h in headers:
             table.add_column(h, justify="left" if h == "stop" else "right")
         for row in rows:
             table.add_row(*row)
         console.print(table)
     else:
-        out(SUMMARY_TITLE)
+        out(title)
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
         for row in [headers, *rows]:
             out("  ".join(v.rjust(w) for v, w in zip(row, widths)))

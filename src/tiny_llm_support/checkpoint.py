@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 import mlx.core as mx
 
@@ -18,6 +19,7 @@ SINGLE_FILE = "model.safetensors"
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")
 DTYPES = {"float32": mx.float32, "bfloat16": mx.bfloat16, "float16": mx.float16}
 TENSOR_PARTS = ("weight", "scales", "biases")  # a layer's tensors; the last two when quantized
+FINITE_BATCH = 32  # tensors per evaluation of the NaN/inf check
 
 
 @dataclass
@@ -30,8 +32,14 @@ class Checkpoint:
     tokenizer: Tokenizer | None = None
 
 
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
 def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
-    """Every tensor a Qwen3 checkpoint with this config must have, with its shape."""
+    """Every tensor a Qwen3 checkpoint with this config must have, with its shape. A sparse
+    layer (Week 4 Day 6) has a router, `mlp.gate`, and its experts' weights stacked along a
+    first axis, under mlx-lm's names (`mlp.switch_mlp.*`): load_checkpoint stacks the one
+    tensor per expert that Hugging Face checkpoints hold (stack_experts)."""
     hidden, inter, vocab = config.hidden_size, config.intermediate_size, config.vocab_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
@@ -46,9 +54,15 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
                 p + "self_attn.o_proj.weight": (hidden, q_dim),
                 p + "self_attn.q_norm.weight": (config.head_dim,),
                 p + "self_attn.k_norm.weight": (config.head_dim,),
-                p + "mlp.gate_proj.weight": (inter, hidden),
-                p + "mlp.up_proj.weight": (inter, hidden),
-                p + "mlp.down_proj.weight": (hidden, inter),
+                **(
+                    mlp_shapes(config, i)
+                    if config.is_sparse(i)
+                    else {
+                        p + "mlp.gate_proj.weight": (inter, hidden),
+                        p + "mlp.up_proj.weight": (inter, hidden),
+                        p + "mlp.down_proj.weight": (hidden, inter),
+                    }
+                ),
                 p + "input_layernorm.weight": (hidden,),
                 p + "post_attention_layernorm.weight": (hidden,),
             }
@@ -58,17 +72,52 @@ def expected_shapes(config: Qwen3Config) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def mlp_shapes(config: Qwen3Config, layer: int) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router [experts, hidden] and stacked experts [experts, out, in]."""
+    n, hidden, inter = config.num_experts, config.hidden_size, config.moe_intermediate_size
+    p = f"model.layers.{layer}.mlp."
+    return {
+        p + "gate.weight": (n, hidden),
+        p + "switch_mlp.gate_proj.weight": (n, inter, hidden),
+        p + "switch_mlp.up_proj.weight": (n, inter, hidden),
+        p + "switch_mlp.down_proj.weight": (n, hidden, inter),
+    }
+
+
+def stack_experts(weights: dict[str, mx.array], config: Qwen3Config, path: Path) -> None:
+    """Hugging Face's layout, one tensor per expert (`mlp.experts.{j}.up_proj.weight`), turned
+    into the stacked one (`mlp.switch_mlp.up_proj.weight`, experts along the first axis) in
+    place; a quantized expert's scales and biases are stacked alike. A checkpoint already
+    stacked (mlx-lm's convert) is left as it is; a missing expert is an error naming it."""
+    for layer in range(config.num_hidden_layers):
+        if not config.is_sparse(layer):
+            continue
+        p = f"model.layers.{layer}.mlp."
+        for proj, part in itertools.product(EXPERT_PROJECTIONS, TENSOR_PARTS):
+            names = [f"{p}experts.{j}.{proj}.{part}" for j in range(config.num_experts)]
+            found = [name for name in names if name in weights]
+            if not found:
+                continue
+            missing = [name for name in names if name not in weights]
+            if missing:
+                raise CheckpointError(
+                    f"{path}: tensor {missing[0]} is missing (layer {layer} has "
+                    f"{config.num_experts} experts, {len(found)} of them found)"
+                )
+            weights[f"{p}switch_mlp.{proj}.{part}"] = mx.stack([weights.pop(n) for n in names])
+
+
 def quantize_weights(
     weights: dict[str, mx.array], group_size: int = 64, bits: int = 4
 ) -> dict[str, mx.array]:
     """The weights in MLX's affine format, as mlx-lm's convert writes them: each 2-D weight
-    whose input size group_size divides becomes codes, scales and biases (mx.quantize); norms
-    and the other weights stay float. A tensor held under two names (a tied head) is
+    (and each stack of experts' weights) whose input size group_size divides becomes codes,
+    scales and biases (mx.quantize); norms and the other weights stay float. A tensor held under two names (a tied head) is
     quantized once."""
     check_quant_format(group_size, bits, "quantize_weights")
     out, done = {}, {}
     for name, w in weights.items():
-        if w.ndim != 2 or w.shape[1] % group_size != 0:
+        if w.ndim < 2 or w.shape[-1] % group_size != 0:
             out[name] = w
             continue
         if id(w) not in done:
@@ -96,7 +145,9 @@ def to_mx_dtype(dtype: mx.Dtype | str) -> mx.Dtype:
 
 def load_checkpoint(path: str | Path, dtype: mx.Dtype | str | None = None) -> Checkpoint:
     """Load config.json, the safetensors weights (single file or sharded) and the tokenizer.
-    Any file that is missing or cannot be read raises CheckpointError, naming it."""
+    Any file that is missing or cannot be read raises CheckpointError, naming it, and so do
+    contents that would load but compute garbage: a tokenizer with ids past the config's
+    vocab_size, NaN or inf in a weight."""
     path = Path(path).expanduser()
     target = to_mx_dtype(dtype) if dtype is not None else None
     if not path.is_dir():
@@ -106,6 +157,8 @@ def load_checkpoint(path: str | Path, dtype: mx.Dtype | str | None = None) -> Ch
     for file in files:
         check_safetensors(file)  # before MLX reads it
     tokenizer = load_tokenizer(path) if (path / "tokenizer.json").is_file() else None
+    if tokenizer is not None:
+        check_vocabulary(tokenizer, config, path)
     weights: dict[str, mx.array] = {}
     tensor_files: dict[str, Path] = {}  # tensor name -> the file it came from, for messages
     for file in files:
@@ -113,9 +166,11 @@ def load_checkpoint(path: str | Path, dtype: mx.Dtype | str | None = None) -> Ch
         weights.update(loaded)
         tensor_files.update(dict.fromkeys(loaded, file))
     _tie_lm_head(weights, config, path)
+    stack_experts(weights, config, path)
     check_weights(weights, config, path, tensor_files)
     if target is not None:
         weights = _convert(weights, target)
+    check_finite(weights, path, tensor_files)
     return Checkpoint(path=path, config=config, weights=weights, tokenizer=tokenizer)
 
 
@@ -134,6 +189,8 @@ def safetensors_files(path: Path) -> list[Path]:
         weight_map = read_json_object(index).get("weight_map", {})
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index}: no weight_map naming the weight files")
+        for tensor, name in weight_map.items():
+            check_shard_name(index, str(tensor), str(name))
         files = [path / str(name) for name in sorted(set(map(str, weight_map.values())))]
         for file in files:
             if not file.is_file():
@@ -153,6 +210,56 @@ def safetensors_files(path: Path) -> list[Path]:
     raise CheckpointError(f"no *.safetensors weight files in {path}")
 
 
+def check_shard_name(index: Path, tensor: str, name: str) -> None:
+    """A shard must be a file in the checkpoint directory: a relative path that never goes up
+    (`..`). A symlink inside the directory is followed: the Hugging Face cache links every
+    file of a snapshot to its blobs folder."""
+    relative = PurePosixPath(name)
+    if relative.is_absolute() or ".." in relative.parts:
+        raise CheckpointError(
+            f"{index}: weight_map puts {tensor} in {name!r}, outside the checkpoint directory "
+            "(a shard must be a file in it)"
+        )
+
+
+def check_vocabulary(tokenizer: Tokenizer, config: Qwen3Config, path: Path) -> None:
+    """Every token id must have a row in the embedding: an id past vocab_size would read
+    nothing meaningful (MLX does not check indices)."""
+    top = max(tokenizer.hf_tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
+    if top >= config.vocab_size:
+        raise CheckpointError(
+            f"{path / 'tokenizer.json'}: the tokenizer has token ids up to {top}, but "
+            f"config.json's vocab_size is {config.vocab_size}: ids {config.vocab_size}..{top} "
+            "have no row in the embedding"
+        )
+
+
+def check_finite(
+    weights: dict[str, mx.array], path: Path, files: dict[str, Path] | None = None
+) -> None:
+    """NaN or inf in a weight spreads to every activation after it, and the model prints
+    noise. A sum is NaN or inf when one of its terms is, and it is several times faster than
+    isfinite(w).all() on a CPU; summed in float32, a large float16 tensor cannot overflow.
+    One sum per floating-point tensor (quantized codes are uint32, and a tied head is the
+    embedding), FINITE_BATCH tensors per evaluation; the weights stay loaded, as the model
+    needs them anyway."""
+    tensors: dict[int, tuple[str, mx.array]] = {}
+    for name, w in weights.items():
+        if mx.issubdtype(w.dtype, mx.floating):
+            tensors.setdefault(id(w), (name, w))
+    named = list(tensors.values())
+    for start in range(0, len(named), FINITE_BATCH):
+        batch = named[start : start + FINITE_BATCH]
+        sums = mx.stack([w.astype(mx.float32).sum() for _, w in batch])
+        finite = mx.isfinite(sums).tolist()
+        for (name, w), ok in zip(batch, finite):
+            if not ok:
+                raise CheckpointError(
+                    f"{(files or {}).get(name, path)}: tensor {name} holds NaN or infinite "
+                    f"values (read as {dtype_name(w.dtype)}): the model would compute noise"
+                )
+
+
 def check_weights(
     weights: dict[str, mx.array],
     config: Qwen3Config,
@@ -169,7 +276,7 @@ def check_weights(
                 f"{path}: tensor {name} is missing (expected shape {list(shape)})"
             )
         layer = name.removesuffix(".weight")
-        if len(shape) == 2 and (f"{layer}.scales" in weights or weights[name].dtype == mx.uint32):
+        if len(shape) >= 2 and (f"{layer}.scales" in weights or weights[name].dtype == mx.uint32):
             check_quantized(weights, config, layer, shape, where)
             continue
         got = tuple(weights[name].shape)
@@ -199,7 +306,8 @@ def check_quantized(
     where: Callable[[str], Path],
 ) -> None:
     """A layer in MLX's affine format: weight holds the codes [O, I * bits / 32] as uint32,
-    scales and biases [O, I / group_size], with group_size and bits from config.json."""
+    scales and biases [O, I / group_size], with group_size and bits from config.json (a stack
+    of experts' weights: [experts, O, ...] alike)."""
     fmt = config.quantization.of(layer) if config.quantization is not None else None
     if fmt is None:
         raise CheckpointError(
@@ -207,16 +315,16 @@ def check_quantized(
             f"a {layer}.scales tensor), but config.json's quantization entry does not cover it"
         )
     group_size, bits = fmt
-    rows, cols = shape
+    *rows, cols = shape
     if cols % group_size != 0:
         raise CheckpointError(
             f"{where(layer + '.weight')}: {layer} has {cols} inputs, not a multiple of "
             f"group_size {group_size}"
         )
     packed = {
-        "weight": (rows, cols * bits // 32),
-        "scales": (rows, cols // group_size),
-        "biases": (rows, cols // group_size),
+        "weight": (*rows, cols * bits // 32),
+        "scales": (*rows, cols // group_size),
+        "biases": (*rows, cols // group_size),
     }
     for part, want in packed.items():
         name = f"{layer}.{part}"

@@ -25,11 +25,13 @@ __all__ = [
     "default_dtype",
     "float_at_least",
     "int_at_least",
+    "int_between",
     "load_solution",
     "MODEL_HELP",
     "model_note",
     "model_path",
     "printable",
+    "ranks_problem",
     "reexec_with_openblas",
     "script_parser",
     "text",
@@ -38,6 +40,7 @@ __all__ = [
 
 SOLUTIONS = {"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}
 DEVICES = ("auto", "cpu", "gpu")
+MAX_RANKS = 64  # --tp: far more ranks than the course's models have heads to split
 MODEL_HELP = (
     "'tiny' (a small chat model trained in the project, shipped), 'tiny-random' (random "
     "weights), a shortcut such as qwen3-0.6b, a Hugging Face repo id (org/name) or a local "
@@ -67,18 +70,40 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with what the demo scripts take: --model, --solution, --device, and --tp with
-    --hostfile (tensor-parallel ranks, Week 4 Day 2)."""
+    --hostfile (tensor-parallel ranks, Week 4 Day 2; check them with ranks_problem)."""
     p = argparse.ArgumentParser(
-        prog=prog, description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter
+        prog=prog, description=description, formatter_class=DefaultsHelpFormatter
     )
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     add_solution_argument(p)
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU if any")
+    add_tp_arguments(p)
+    return p
+
+
+def add_tp_arguments(p: argparse.ArgumentParser) -> None:
+    """--tp and --hostfile (tensor-parallel ranks, Week 4 Day 2; check with ranks_problem)."""
     p.add_argument(
-        "--tp", type=int_at_least(1), default=1, help="tensor-parallel ranks (mlx.launch)"
+        "--tp",
+        type=int_between(1, MAX_RANKS),
+        default=1,
+        help="tensor-parallel ranks (mlx.launch); without --hostfile at most this machine's "
+        "CPU cores",
     )
     p.add_argument("--hostfile", help="with --tp: an mlx.launch hostfile (several machines)")
-    return p
+
+
+def ranks_problem(tp: int, hostfile: str | None) -> str | None:
+    """Why --tp cannot run, or None: without a hostfile every rank is a process on this
+    machine, so at most one per CPU core (two always: the course's two-rank runs work on any
+    machine, if slowly on one core)."""
+    cores = os.cpu_count() or 1
+    if hostfile is None and tp > max(2, cores):
+        return (
+            f"--tp {tp} starts {tp} processes on this machine, which has {cores} CPU cores: "
+            f"give at most --tp {max(2, cores)}, or a --hostfile of several machines"
+        )
+    return None
 
 
 def add_solution_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -173,6 +198,19 @@ def text(value: str) -> str:
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse type: an integer no smaller than `low`."""
     return _at_least(int, low, "an integer")
+
+
+def int_between(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an integer from `low` to `high`."""
+    at_least = int_at_least(low)
+
+    def parse(text: str) -> int:
+        value = at_least(text)
+        if value > high:
+            raise argparse.ArgumentTypeError(f"expected an integer <= {high}, got {value}")
+        return value
+
+    return parse
 
 
 def float_at_least(low: float) -> Callable[[str], float]:

@@ -18,6 +18,9 @@ _REQUIRED = (
     "max_position_embeddings",
 )
 
+_REQUIRED_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+MODEL_TYPES = ("qwen3", "qwen3_moe")
+
 # MLX's affine format as tiny-llm reads it: codes of these widths pack evenly into a uint32,
 # and these are the group sizes mx.quantize accepts.
 QUANT_BITS = (2, 4, 8)
@@ -67,7 +70,31 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     torch_dtype: str = "float32"
     quantization: Quantization | None = None
+    # a mixture of experts (model_type "qwen3_moe", Week 4 Day 6); num_experts 0: dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    # sliding-window attention (Week 4 Day 7): the window of each layer, None for full attention
+    layer_windows: tuple[int | None, ...] = ()
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    def window(self, layer: int) -> int | None:
+        """How many positions layer `layer` attends over (the query's own and the W - 1 before
+        it), or None when it sees every earlier position."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    def is_sparse(self, layer: int) -> bool:
+        """Whether layer `layer` holds a mixture of experts instead of the dense MLP: every
+        decoder_sparse_step-th layer (the 1st, 2nd, ... counted from 1) not in mlp_only_layers,
+        the rule of transformers' and mlx-lm's Qwen3-MoE."""
+        return (
+            self.num_experts > 0
+            and layer not in self.mlp_only_layers
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: str | Path = "config.json") -> Qwen3Config:
@@ -86,12 +113,13 @@ class Qwen3Config:
     @classmethod
     def _parse(cls, d: dict[str, Any], source: str | Path) -> Qwen3Config:
         model_type = d.get("model_type")
-        if model_type != "qwen3":
+        if model_type not in MODEL_TYPES:
             raise CheckpointError(
-                f"{source}: model_type is {model_type!r}, but only 'qwen3' checkpoints are "
-                "supported"
+                f"{source}: model_type is {model_type!r}, but only 'qwen3' and 'qwen3_moe' "
+                "checkpoints are supported"
             )
-        for key in _REQUIRED:
+        required = _REQUIRED + (_REQUIRED_MOE if model_type == "qwen3_moe" else ())
+        for key in required:
             if key not in d:
                 raise CheckpointError(f"{source}: required key {key!r} is missing")
         number = lambda key, kind=int: _number(d, key, kind, source)
@@ -114,6 +142,8 @@ class Qwen3Config:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
             quantization=_quantization(d, source),
+            **(_experts(d, source) if model_type == "qwen3_moe" else {}),
+            layer_windows=_layer_windows(d, source),
             raw=dict(d),
         )
         config._check(source)
@@ -134,23 +164,86 @@ class Qwen3Config:
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
             "head_dim": self.head_dim,
+            **(
+                {
+                    "num_experts": self.num_experts,
+                    "moe_intermediate_size": self.moe_intermediate_size,
+                    "decoder_sparse_step": self.decoder_sparse_step,
+                }
+                if self.raw.get("model_type") == "qwen3_moe"
+                else {}
+            ),
         }
         for key, value in sizes.items():
             if value <= 0:
                 raise CheckpointError(f"{source}: {key} must be positive, got {value}")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise CheckpointError(
+                f"{source}: num_experts_per_tok must be between 1 and num_experts "
+                f"({self.num_experts}), got {self.num_experts_per_tok}"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise CheckpointError(
                 f"{source}: num_attention_heads ({self.num_attention_heads}) must be a multiple "
                 f"of num_key_value_heads ({self.num_key_value_heads})"
             )
+        _check_bounds(self, source)
 
 
 def _number(d: dict[str, Any], key: str, kind: type, source: str | Path) -> Any:
     """d[key] as an int or a float, or an error naming the key and the file."""
     try:
-        return kind(d[key])
-    except (TypeError, ValueError):
+        value = kind(d[key])
+    except (TypeError, ValueError, OverflowError):  # OverflowError: int(1e400)
         raise CheckpointError(f"{source}: {key} must be a number, got {d[key]!r}") from None
+    if kind is int and isinstance(d[key], float) and not d[key].is_integer():
+        raise CheckpointError(f"{source}: {key} must be a whole number, got {d[key]!r}")
+    return value
+
+
+def _layer_windows(d: dict[str, Any], source: str | Path) -> tuple[int | None, ...]:
+    """Each layer's sliding window, as transformers reads a Qwen3 config: only with
+    use_sliding_window true, on the layers that layer_types calls "sliding_attention", or
+    without layer_types on the layers from max_window_layers on; () when no layer has one."""
+    if not d.get("use_sliding_window"):
+        return ()
+    window = d.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise CheckpointError(
+            f"{source}: use_sliding_window is true, so sliding_window must be a positive "
+            f"number of positions, got {window!r}"
+        )
+    layers = _number(d, "num_hidden_layers", int, source)
+    if layers > BOUNDS["num_hidden_layers"][0]:
+        return ()  # _check_bounds refuses it, before anything is built per layer
+    kinds = d.get("layer_types")
+    if kinds is None:
+        first = _number(d, "max_window_layers", int, source) if "max_window_layers" in d else 28
+        kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    known = ("full_attention", "sliding_attention")
+    if not isinstance(kinds, list) or len(kinds) != layers or not set(kinds) <= set(known):
+        raise CheckpointError(
+            f"{source}: layer_types must list one of {known} for each of the {layers} layers"
+        )
+    windows = tuple(window if kind == "sliding_attention" else None for kind in kinds)
+    return windows if any(windows) else ()
+
+
+def _experts(d: dict[str, Any], source: str | Path) -> dict[str, Any]:
+    """The mixture-of-experts fields of a qwen3_moe config."""
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) for i in only):
+        raise CheckpointError(f"{source}: mlp_only_layers must be a list of layer numbers")
+    return {
+        "num_experts": _number(d, "num_experts", int, source),
+        "num_experts_per_tok": _number(d, "num_experts_per_tok", int, source),
+        "moe_intermediate_size": _number(d, "moe_intermediate_size", int, source),
+        "norm_topk_prob": bool(d.get("norm_topk_prob", False)),
+        "decoder_sparse_step": _number(d, "decoder_sparse_step", int, source)
+        if "decoder_sparse_step" in d
+        else 1,
+        "mlp_only_layers": tuple(only),
+    }
 
 
 def _rope_theta(d: dict[str, Any], source: str | Path) -> float:
@@ -203,3 +296,29 @@ def _quant_format(entry: dict[str, Any], source: str | Path, where: str) -> tupl
     group_size, bits = int(entry["group_size"]), int(entry["bits"])
     check_quant_format(group_size, bits, f"{source}: {where}")
     return group_size, bits
+
+
+# Upper bounds, checked at parse time, before anything is sized by these values: the loader
+# lists the expected tensors layer by layer and expert by expert, and the RoPE tables hold an
+# angle for every position. Real Qwen3 checkpoints stay far below them.
+BOUNDS = {
+    "num_hidden_layers": (1024, "layers"),
+    "num_experts": (4096, "experts"),
+    "max_position_embeddings": (2**20, "positions (the RoPE tables hold every one)"),
+}
+
+
+def _check_bounds(config: Qwen3Config, source: str | Path) -> None:
+    """A clear error for a size no checkpoint could have (`num_hidden_layers: 1e9`), and for
+    a norm epsilon or RoPE base that is not a positive finite number (NaN or inf would load
+    and compute garbage)."""
+    for key, (limit, what) in BOUNDS.items():
+        value = getattr(config, key)
+        if value > limit:
+            raise CheckpointError(
+                f"{source}: {key} is {value}, more than tiny-llm takes: at most {limit} {what}"
+            )
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = getattr(config, key)
+        if not 0 < value < float("inf"):  # also refuses NaN
+            raise CheckpointError(f"{source}: {key} must be a positive finite number, got {value}")

@@ -2,8 +2,8 @@
 
 A script that takes `--tp N` runs its own command line again as N processes:
 
-    if args.tp > 1 and not in_ranks():
-        return relaunch_as_ranks(args.tp, args.hostfile)
+    if args.tp > 1 and not in_ranks():  # the command as typed: check, then start the ranks
+        return relaunch_as_ranks(checkpoint_dir, args.tp, args.hostfile)
     group = join_ranks(args.tp) if args.tp > 1 else None   # in each rank
 
 Without a hostfile the N ranks run on this machine and talk over the ring backend on
@@ -16,19 +16,24 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import IO
 
 import mlx.core as mx
 
-RANK_ENV = "MLX_RANK"  # mlx.launch sets it in every process it starts
+from .cli import UsageError
+from .config import Qwen3Config
+from .startup import RANK_ENV
+
 # OpenBLAS starts one thread per core in every process: N ranks on one machine would run N
 # times as many threads as cores, which OpenBLAS's spinning threads make very slow.
 BLAS_THREADS_ENV = "OPENBLAS_NUM_THREADS"
@@ -87,13 +92,27 @@ def launch(
     ranks: int,
     hostfile: str | Path | None = None,
     timeout: float | None = None,
-    output: IO | int | None = None,
+    output: IO | None = None,
 ) -> int:
-    """Run `python command...` as `ranks` processes and return mlx.launch's exit status.
+    """Run `python command...` as `ranks` processes: 0 when every rank exited with 0, else 1
+    (mlx.launch itself exits with 0 whatever its ranks do). See run_ranks."""
+    return 0 if run_ranks(command, ranks, hostfile, timeout, output) is None else 1
+
+
+def run_ranks(
+    command: list[str],
+    ranks: int,
+    hostfile: str | Path | None = None,
+    timeout: float | None = None,
+    output: IO | None = None,
+) -> str | None:
+    """Run `python command...` as `ranks` processes; None when every rank exited with 0, else
+    a line naming the rank that failed first and why (RankEnds).
 
     Ranks on this machine get OPENBLAS_NUM_THREADS = cores / ranks unless it is set already.
-    output: where the ranks' stdout and stderr go (None: this process's own). On a timeout or
-    Ctrl-C every process of the launch is stopped before the exception goes on.
+    output: a file that takes the ranks' stdout and stderr whole (None: this process's own,
+    less the lines RankEnds holds back). On a timeout, Ctrl-C or SIGTERM every process of the
+    launch is stopped before the exception goes on.
     mlx.launch writes a pid file and a host file per rank with mktemp and leaves them: here
     they go to a temporary directory of the launch's own, removed at the end.
     """
@@ -101,6 +120,7 @@ def launch(
     env = dict(os.environ)
     if hostfile is None:  # every rank on this machine: share its cores instead of each taking all
         env.setdefault(BLAS_THREADS_ENV, str(max(1, (os.cpu_count() or 1) // ranks)))
+    ends = RankEnds(ranks, output)
     with tempfile.TemporaryDirectory(prefix="tiny-llm-ranks-") as tmp:
         env["TMPDIR"] = tmp
         # mlx.launch forwards its stdin to the ranks and polls it; a pipe that stays open until
@@ -110,16 +130,72 @@ def launch(
             stdin=subprocess.PIPE,
             env=env,
             stdout=output,
-            stderr=subprocess.STDOUT if output is not None else None,
+            stderr=subprocess.PIPE,
+            text=True,
             start_new_session=True,  # its own process group: the ranks can be stopped with it
         )
+        reader = threading.Thread(target=ends.read, args=(proc.stderr,), daemon=True)
+        reader.start()
         try:
-            return proc.wait(timeout)
-        except BaseException:  # a timeout, or Ctrl-C here: stop the launcher and every rank
+            proc.wait(timeout)
+        except BaseException:  # a timeout, Ctrl-C or SIGTERM: stop the launcher and every rank
             stop_group(proc)
             raise
         finally:
             proc.stdin.close()
+            reader.join(READ_GRACE_S)  # the rest of the output, before a word of this process
+    return ends.failure()
+
+
+# How mlx.launch says that a rank ended badly (its own exit status is 0 all the same).
+RANK_END = re.compile(r"Node with rank (\d+) (?:exited with code (-?\d+)|was killed)")
+# The status of a rank that mlx.launch stopped because another one failed.
+STOPPED = (-signal.SIGTERM, 128 + signal.SIGTERM)
+READ_GRACE_S = 5.0
+
+
+class RankEnds:
+    """Reads the stderr of mlx.launch, which carries the ranks' stderr and its own lines about
+    how each rank ended. With an output file every line goes there as it comes. Otherwise the
+    lines go to this process's stderr, less two kinds held back for failure(): mlx.launch's
+    line about a rank that ended badly, and the ranks' `error: ...` lines (every rank of a run
+    that fails tends to print the same one)."""
+
+    def __init__(self, ranks: int, output: IO | None = None):
+        self.ranks, self.output = ranks, output
+        self.ends: list[tuple[int, int | None]] = []  # (rank, exit status; None: killed)
+        self.errors: list[str] = []
+
+    def read(self, stream: IO) -> None:
+        out = self.output or sys.stderr
+        for line in stream:
+            end = RANK_END.search(line)
+            if end:
+                self.ends.append((int(end[1]), None if end[2] is None else int(end[2])))
+            elif line.startswith("error: "):
+                self.errors.append(line.removeprefix("error: ").strip())
+            if self.output is not None or not (end or line.startswith("error: ")):
+                out.write(line)
+                out.flush()
+
+    def failure(self) -> str | None:
+        """None when no rank ended badly; else one line: the first rank that failed on its
+        own (not one that mlx.launch stopped after it) and the first error a rank printed, or
+        else how it ended."""
+        if not self.ends:
+            for error in self.errors:  # printed by a rank that exited with 0 all the same
+                print(f"error: {error}", file=sys.stderr)
+            return None
+        rank, status = next(((r, s) for r, s in self.ends if s not in STOPPED), self.ends[0])
+        if self.errors:
+            why = self.errors[0]
+        elif status is None:
+            why = "mlx.launch killed it"
+        elif status < 0:
+            why = f"it was killed by {signal.Signals(-status).name}"
+        else:
+            why = f"it exited with status {status}"
+        return f"rank {rank} of {self.ranks} failed: {why}"
 
 
 def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
@@ -141,10 +217,42 @@ def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
         time.sleep(0.02)
 
 
-def relaunch_as_ranks(ranks: int, hostfile: str | Path | None = None) -> int:
-    """Run this script's own command line again as `ranks` processes; their exit status."""
+def group_problem(config: Qwen3Config, ranks: int) -> str | None:
+    """Why `ranks` ranks cannot split this model (every rank keeps an equal share of the
+    query heads, the KV heads, the MLP's features and, in a mixture of experts, the experts),
+    or None. Checked before any rank starts."""
+    sizes = {
+        "num_attention_heads": config.num_attention_heads,
+        "num_key_value_heads": config.num_key_value_heads,
+        "intermediate_size": config.intermediate_size,
+    }
+    if any(config.is_sparse(layer) for layer in range(config.num_hidden_layers)):
+        sizes["num_experts"] = config.num_experts
+    for name, size in sizes.items():
+        if size % ranks:
+            fits = [n for n in range(2, ranks) if all(s % n == 0 for s in sizes.values())]
+            hint = f"; {fits[-1]} ranks would split every size" if fits else ""
+            return (
+                f"the model's {name} ({size}) does not divide into {ranks} equal shares, one "
+                f"per rank{hint}"
+            )
+    return None
+
+
+def relaunch_as_ranks(checkpoint: Path, ranks: int, hostfile: str | Path | None = None) -> int:
+    """Run this script's own command line again as `ranks` processes: 0 when they all exit
+    with 0, else 1 after one line naming the rank that failed and why. First, before any rank
+    starts, a UsageError when `ranks` cannot split the model in `checkpoint` (group_problem);
+    a config.json that cannot be read raises CheckpointError."""
+    problem = group_problem(Qwen3Config.from_file(Path(checkpoint) / "config.json"), ranks)
+    if problem:
+        raise UsageError(f"--tp {ranks}: {problem}")
     script = str(Path(sys.argv[0]).resolve())
-    return launch([script, *sys.argv[1:]], ranks, hostfile)
+    failure = run_ranks([script, *sys.argv[1:]], ranks, hostfile)
+    if failure is None:
+        return 0
+    print(f"error: {failure}", file=sys.stderr)
+    return 1
 
 
 def join_ranks(ranks: int) -> mx.distributed.Group:

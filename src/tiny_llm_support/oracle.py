@@ -7,13 +7,24 @@ from .checkpoint import Checkpoint, expected_shapes
 
 
 def mlx_lm_qwen3(ckpt: Checkpoint):
-    """`mlx_lm.models.qwen3.Model` sharing the checkpoint's weight arrays (no copy); a
-    quantized checkpoint gives mlx-lm's quantized layers."""
-    from mlx_lm.models import qwen3
+    """`mlx_lm.models.qwen3.Model` sharing the checkpoint's weight arrays (no copy), or
+    `qwen3_moe.Model` for a mixture of experts; a quantized checkpoint gives mlx-lm's quantized
+    layers."""
+    from mlx_lm.models import qwen3, qwen3_moe
 
     c = ckpt.config
-    args = qwen3.ModelArgs(
-        model_type="qwen3",
+    sparse = c.num_experts > 0
+    experts = dict(
+        num_experts=c.num_experts,
+        num_experts_per_tok=c.num_experts_per_tok,
+        decoder_sparse_step=c.decoder_sparse_step,
+        mlp_only_layers=list(c.mlp_only_layers),
+        moe_intermediate_size=c.moe_intermediate_size,
+        norm_topk_prob=c.norm_topk_prob,
+    )
+    module = qwen3_moe if sparse else qwen3
+    args = module.ModelArgs(
+        model_type="qwen3_moe" if sparse else "qwen3",
         hidden_size=c.hidden_size,
         num_hidden_layers=c.num_hidden_layers,
         intermediate_size=c.intermediate_size,
@@ -25,8 +36,9 @@ def mlx_lm_qwen3(ckpt: Checkpoint):
         rope_theta=c.rope_theta,
         head_dim=c.head_dim,
         tie_word_embeddings=c.tie_word_embeddings,
+        **(experts if sparse else {}),
     )
-    model = qwen3.Model(args)
+    model = module.Model(args)
     names = list(expected_shapes(c))
     if c.quantization is not None:
         names += _quantize(model, ckpt)

@@ -7,11 +7,17 @@ that runs on its own thread (server_engine.EngineService).
     GET  /health                200 while the engine runs, 503 once it stops
     GET  /metrics               engine.stats() in Prometheus' text format, the prefix hit rate
                                 and speculative decoding's acceptance rate
+    GET  /                      the live page: a chat box beside the engine as it runs (static/)
+    GET  /events                the engine's snapshots as server-sent events, for that page
 
 A handler checks the request (server_api), turns it into token ids and sampling settings, and
 hands it to the engine thread; it never calls the model. The engine's outputs come back on the
 request's Channel and go out as one JSON response or as server-sent events. A client that hangs
 up gets its request aborted, so its slot and pages serve someone else.
+
+With --api-key, /v1/* and /events need "Authorization: Bearer <key>"; the page and its two files
+need none (they hold no data), and the page, told by its <meta name="api-key"> that a key is
+needed, asks for it and sends it in that header (never in a URL, which access logs keep).
 """
 
 from __future__ import annotations
@@ -22,11 +28,17 @@ import math
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from jinja2 import TemplateError
+from fastapi.responses import (
+    HTMLResponse,
+    JSONResponse,
+    PlainTextResponse,
+    Response,
+    StreamingResponse,
+)
 from starlette.exceptions import HTTPException
 
 from .server_api import (
@@ -40,9 +52,12 @@ from .server_api import (
     usage,
 )
 from .server_engine import Accepted, Channel, EngineService
+from .tokenizer import ChatTemplateError, check_chat_text
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
 DRAIN_BYTES = 16 << 20  # read (and drop) a too-large body up to this size before answering
+STATIC_FILES = {"live.css": "text/css", "live.js": "text/javascript"}  # the page's, in static/
+KEEPALIVE_S = 15  # an idle /events stream sends a comment this often
 
 
 @dataclass
@@ -79,6 +94,9 @@ class OpenAIServer:
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/", self.page, methods=["GET"])
+        app.add_api_route("/static/{name}", self.static, methods=["GET"])
+        app.add_api_route("/events", self.events, methods=["GET"])
         app.add_exception_handler(ApiError, _error_response)
         app.add_exception_handler(HTTPException, _http_error_response)
         return app
@@ -89,10 +107,7 @@ class OpenAIServer:
         self._authorize(request)
         body = parse_request(await read_body(request, self.settings.max_body_bytes), ChatRequest)
         self._check_model(body.model)
-        try:
-            text = self.tokenizer.apply_chat_template(body.conversation())
-        except (TemplateError, ValueError) as e:
-            raise ApiError(400, f"the chat template refused 'messages': {e}", "messages") from e
+        text = self._chat_prompt(body.conversation())
         return await self._generate(request, "chat", body, self.tokenizer.encode(text))
 
     async def completions(self, request: Request) -> Response:
@@ -122,6 +137,40 @@ class OpenAIServer:
         text = prometheus_text(self.service.snapshot, self.service.refused_busy)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    # --- the live page -----------------------------------------------------------------------
+
+    async def page(self) -> Response:
+        """index.html, its <meta name="api-key"> set to "required" when there is a key."""
+        html = static_text("index.html")
+        if self.settings.api_key is not None:
+            html = html.replace(
+                'name="api-key" content="none"', 'name="api-key" content="required"'
+            )
+        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
+
+    async def static(self, name: str) -> Response:
+        if name not in STATIC_FILES:
+            raise ApiError(404, f"GET /static/{name}: no such file")
+        headers = {"Cache-Control": "no-cache"}
+        return Response(static_text(name), media_type=STATIC_FILES[name], headers=headers)
+
+    async def events(self, request: Request) -> Response:
+        """A snapshot of the engine whenever it changes (at most 20 a second), as server-sent
+        events `data: {...}`, until the client leaves or the server stops. The engine thread
+        makes them (server_engine.EngineWatch); this handler only reads its own queue."""
+        self._authorize(request)
+        headers = {"Cache-Control": "no-cache"}
+        return StreamingResponse(self._watch(), media_type="text/event-stream", headers=headers)
+
+    async def _watch(self) -> AsyncIterator[str]:
+        """Subscribed only once the response streams, so that the finally below always runs."""
+        subscriber = self.service.subscribe()
+        try:
+            while (snapshot := await subscriber.next(KEEPALIVE_S)) is not None:
+                yield sse(snapshot) if snapshot else ": keep-alive\n\n"
+        finally:
+            self.service.unsubscribe(subscriber)
+
     # --- checks -------------------------------------------------------------------------------
 
     def _authorize(self, request: Request) -> None:
@@ -145,6 +194,21 @@ class OpenAIServer:
                 param="model",
                 code="model_not_found",
             )
+
+    def _chat_prompt(self, conversation: list[dict[str, str]]) -> str:
+        """The conversation through the chat template; 400 for one without text, and for one
+        the template refuses (its message, not the server's file names)."""
+        try:
+            check_chat_text(conversation)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from e
+        try:
+            return self.tokenizer.apply_chat_template(conversation)
+        except ValueError as e:  # a ChatTemplateError, or no template at all
+            detail = e.detail if isinstance(e, ChatTemplateError) else str(e)
+            raise ApiError(
+                400, f"the chat template refused 'messages': {detail}", "messages"
+            ) from e
 
     def _check_prompt(self, ids: list[int], field: str) -> None:
         """An empty prompt, an id outside the vocabulary, or one longer than the context."""
@@ -273,6 +337,11 @@ def usage_of(output: Any) -> dict[str, Any]:
     cached_tokens: nothing was cached)."""
     cached = getattr(output, "cached_tokens", 0)
     return usage(output.prompt_tokens, output.completion_tokens, cached)
+
+
+def static_text(name: str) -> str:
+    """A file of the live page, read at each request (edit it, reload the page)."""
+    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

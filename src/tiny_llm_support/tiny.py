@@ -12,7 +12,14 @@ import mlx.core as mx
 import numpy as np
 import tokenizers
 
-from .checkpoint import INDEX_FILE, SINGLE_FILE, expected_shapes, quantize_weights, to_mx_dtype
+from .checkpoint import (
+    EXPERT_PROJECTIONS,
+    INDEX_FILE,
+    SINGLE_FILE,
+    expected_shapes,
+    quantize_weights,
+    to_mx_dtype,
+)
 from .config import Qwen3Config, check_quant_format
 from .tiny_tokenizer import tiny_tokenizer_config, tiny_tokenizer_json
 
@@ -30,6 +37,18 @@ TINY_DEFAULTS: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
+# a tiny mixture of experts (Week 4 Day 6): every layer sparse, 2 of 8 experts per token
+TINY_MOE_DEFAULTS: dict[str, Any] = {
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+}
+
 
 def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
     """Write a deterministic random Qwen3 checkpoint (config, weights, tokenizer) into `path`.
@@ -39,8 +58,13 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
     `quantize=4` (or 2, 8) writes the same weights in MLX's affine format with groups of
     `group_size` (default 64), the layout mlx-lm's convert writes: every linear layer and the
     embedding whose input size the group size divides, the others left in float.
+
+    A mixture of experts (model_type "qwen3_moe", see make_tiny_moe_checkpoint) is written in
+    Hugging Face's layout, one tensor per expert, or with `stacked_experts=True` (and always
+    when quantized) in the stacked layout mlx-lm's convert writes.
     """
     shards = int(overrides.pop("shards", 1))
+    stacked = bool(overrides.pop("stacked_experts", False))
     rope_in_parameters = bool(overrides.pop("rope_in_parameters", False))
     bits = overrides.pop("quantize", None)
     group_size = int(overrides.pop("group_size", 64))
@@ -55,10 +79,31 @@ def make_tiny_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> P
     weights = random_weights(Qwen3Config.from_dict(config, source="make_tiny_checkpoint"), seed)
     if bits is not None:
         weights = quantize_weights(weights, group_size, int(bits))
+    elif not stacked:
+        weights = unstack_experts(weights)
     if not 1 <= shards <= len(weights):
         raise ValueError(f"shards must be between 1 and {len(weights)}, got {shards}")
     weights_format = "pt" if bits is None else "mlx"
     return write_checkpoint(path, config, weights, tokenizer_json, shards, weights_format)
+
+
+def make_tiny_moe_checkpoint(path: str | Path, seed: int = 0, **overrides: Any) -> Path:
+    """make_tiny_checkpoint with TINY_MOE_DEFAULTS: a deterministic Qwen3-MoE checkpoint whose
+    every layer routes each token to 2 of 8 experts (overrides as for make_tiny_checkpoint)."""
+    return make_tiny_checkpoint(path, seed, **{**TINY_MOE_DEFAULTS, **overrides})
+
+
+def unstack_experts(weights: dict[str, mx.array]) -> dict[str, mx.array]:
+    """Stacked experts (`mlp.switch_mlp.up_proj.weight` [experts, O, I]) as Hugging Face
+    writes them: one tensor per expert (`mlp.experts.{j}.up_proj.weight` [O, I])."""
+    out = {}
+    for name, w in weights.items():
+        prefix, _, rest = name.partition("mlp.switch_mlp.")
+        if not rest or rest.split(".")[0] not in EXPERT_PROJECTIONS:
+            out[name] = w
+            continue
+        out.update({f"{prefix}mlp.experts.{j}.{rest}": w[j] for j in range(w.shape[0])})
+    return out
 
 
 def write_checkpoint(
@@ -138,7 +183,7 @@ def _scale(name: str, shape: tuple[int, ...], config: Qwen3Config) -> np.float32
     if name == "lm_head.weight":
         return np.float32(4.0 / math.sqrt(config.hidden_size))
     gain = 3.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-    return np.float32(gain / math.sqrt(shape[1]))  # projections: gain / sqrt(fan_in)
+    return np.float32(gain / math.sqrt(shape[-1]))  # projections: gain / sqrt(fan_in)
 
 
 def _offset(name: str) -> np.float32:

@@ -10,11 +10,29 @@ from typing import Any
 
 import tokenizers
 from jinja2 import TemplateError
+from jinja2.exceptions import SecurityError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .checkpoint_files import CheckpointError, read_json_object
 
 REPLACEMENT_CHAR = "\ufffd"
+
+
+class ChatTemplateError(CheckpointError):
+    """A chat template that failed to compile or render, on one line: `source` names the file
+    the template came from, `detail` is what went wrong (a server shows its clients only
+    that)."""
+
+    def __init__(self, source: str | Path, error: Exception, what: str = "failed") -> None:
+        self.source = source
+        self.detail = " ".join(str(error).split()) or type(error).__name__
+        if isinstance(getattr(error, "lineno", None), int):  # a syntax error says where
+            self.detail += f" (line {error.lineno})"
+        super().__init__(f"{source}: the chat template {what}: {self.detail}")
+
+
+class ChatTemplateRefused(ChatTemplateError, SecurityError):
+    """The sandbox refused what a template tried to do (still a jinja2 SecurityError)."""
 
 
 class Tokenizer:
@@ -26,10 +44,12 @@ class Tokenizer:
         config: dict[str, Any] | None = None,
         generation_config: dict[str, Any] | None = None,
         chat_template: str | None = None,
+        template_source: str | Path = "chat_template",
     ) -> None:
         self.hf_tokenizer = tokenizer
         self.config = dict(config or {})
         self.chat_template = chat_template or _pick_template(self.config.get("chat_template"))
+        self.template_source = template_source  # the file it came from, for error messages
         self.eos_token = _token_content(self.config.get("eos_token")) or self._fallback_eos()
         self.eos_token_id = self._require_id(self.eos_token)
         self.bos_token = _token_content(self.config.get("bos_token"))
@@ -67,10 +87,10 @@ class Tokenizer:
         enable_thinking: bool = False,
         **kwargs: Any,
     ) -> str:
-        """Render `messages` with the checkpoint's jinja chat template (sandboxed)."""
+        """Render `messages` with the checkpoint's jinja chat template (sandboxed). Whatever
+        goes wrong in the template is a ChatTemplateError naming its file."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat_template (tokenizer_config.json)")
-        template = _jinja_env().from_string(self.chat_template)
         variables = {
             "bos_token": self.bos_token or "",
             "eos_token": self.eos_token,
@@ -79,12 +99,19 @@ class Tokenizer:
             "documents": None,
             **kwargs,
         }
-        return template.render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=enable_thinking,
-            **variables,
-        )
+        try:
+            template = _jinja_env().from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=enable_thinking,
+                **variables,
+            )
+        except SecurityError as e:
+            raise ChatTemplateRefused(self.template_source, e, "was refused by the sandbox") from e
+        except Exception as e:  # a template is a program from the checkpoint: a syntax error,
+            # raise_exception() or a TypeError in an expression are all the template's failure
+            raise ChatTemplateError(self.template_source, e) from e
 
     def _fallback_eos(self) -> str:
         for token in ("<|im_end|>", "<|endoftext|>", "</s>"):
@@ -172,16 +199,32 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     config = _read_json(path / "tokenizer_config.json")
     generation_config = _read_json(path / "generation_config.json")
     template_file = path / "chat_template.jinja"
-    template = None
+    template, source = None, path / "tokenizer_config.json"
     if not config.get("chat_template") and template_file.is_file():
         try:
-            template = template_file.read_text(encoding="utf-8")
+            template, source = template_file.read_text(encoding="utf-8"), template_file
         except (OSError, UnicodeDecodeError) as e:
             raise CheckpointError(f"{template_file}: cannot read it ({e})") from None
     try:
-        return Tokenizer(hf_tokenizer, config, generation_config, chat_template=template)
+        return Tokenizer(hf_tokenizer, config, generation_config, template, source)
     except (ValueError, TypeError, AttributeError) as e:  # e.g. an eos_token not in the vocabulary
         raise CheckpointError(f"{path / 'tokenizer_config.json'}: {e}") from None
+
+
+def check_chat_text(messages: list[dict[str, Any]]) -> None:
+    """ValueError for a conversation with no text in it. A raw prompt without text has no
+    tokens and is refused for that; through the chat template it still has the template's
+    markup, which the model answers with noise."""
+    if not any(str(m.get("content") or "").strip() for m in messages):
+        raise ValueError("the prompt is empty or only whitespace: there is nothing to answer")
+
+
+def check_chat_template(tokenizer: Tokenizer) -> None:
+    """Render a one-message conversation, so that a template that cannot render even that
+    stops a server at start-up (a ChatTemplateError naming its file) instead of failing every
+    chat request. Nothing to do without a template."""
+    if tokenizer.chat_template:
+        tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -253,24 +253,24 @@ def train(
     step_fn = nn.value_and_grad(model, weighted_loss)
 
     out, results = Path(out), Path(results or out)
+    losses, rows = [], []  # the log is written once training ends: Ctrl-C leaves the old one
+    for step, (epoch, kind, (inputs, targets, weights)) in enumerate(plan, start=1):
+        lr = optimizer.learning_rate.item()
+        loss, grads = step_fn(model, mx.array(inputs), mx.array(targets), mx.array(weights))
+        grads, _ = optim.clip_grad_norm(grads, s.grad_clip)
+        optimizer.update(model, grads)
+        mx.eval(model.parameters(), optimizer.state, loss)
+        losses.append(loss.item())
+        seconds = time.perf_counter() - t0
+        loss_text, lr_text = f"{losses[-1]:.5f}", f"{lr:.3e}"
+        rows.append([step, epoch, kind, loss_text, lr_text, inputs.size, f"{seconds:.1f}"])
+        if step % 25 == 0 or step == len(plan):
+            log(f"step {step}/{len(plan)}  loss {losses[-1]:.4f}  lr {lr:.2e}  {seconds:.0f} s")
     results.mkdir(parents=True, exist_ok=True)
-    losses = []
     with open(results / LOG_FILE, "w", newline="", encoding="utf-8") as f:
         writer = csv.writer(f)
         writer.writerow(["step", "epoch", "kind", "loss", "learning_rate", "tokens", "seconds"])
-        for step, (epoch, kind, (inputs, targets, weights)) in enumerate(plan, start=1):
-            lr = optimizer.learning_rate.item()
-            loss, grads = step_fn(model, mx.array(inputs), mx.array(targets), mx.array(weights))
-            grads, _ = optim.clip_grad_norm(grads, s.grad_clip)
-            optimizer.update(model, grads)
-            mx.eval(model.parameters(), optimizer.state, loss)
-            losses.append(loss.item())
-            seconds = time.perf_counter() - t0
-            loss_text, lr_text = f"{losses[-1]:.5f}", f"{lr:.3e}"
-            row = [step, epoch, kind, loss_text, lr_text, inputs.size, f"{seconds:.1f}"]
-            writer.writerow(row)
-            if step % 25 == 0 or step == len(plan):
-                log(f"step {step}/{len(plan)}  loss {losses[-1]:.4f}  lr {lr:.2e}  {seconds:.0f} s")
+        writer.writerows(rows)
     train_seconds = time.perf_counter() - t0
 
     weights = {k: v.astype(mx.float16) for k, v in _flat_parameters(model).items()}

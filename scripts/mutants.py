@@ -1,0 +1,216 @@
+"""`pdm run mutants [--week W --day D]`: mutation testing of the reference's task bodies.
+
+A mutant is the reference with one small change inside one task body, the kind of slip a
+student makes: a comparison one step off (< for <=), an operator swapped (+ for -, // for /),
+a small constant off by one, a statement left out. Each mutant is pasted into a copy of the
+package as `tiny_llm` and that day's tests run against it (`--impl student`, stopping at the
+first failure). A mutant is killed when a test fails, survived when every test passes. A
+survivor is either a test to write or a change that cannot matter (an equivalent mutant);
+the results list them so each can be looked at.
+
+Not part of CI: each mutant costs one run of its day's tests. Results: JSON (--json-output)
+and a table per day.
+"""
+
+import argparse
+import ast
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tokenize
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tiny_llm_support import startup
+
+ROOT = Path(__file__).resolve().parent.parent
+REF = ROOT / "src" / "tiny_llm_ref"
+TESTS = ROOT / "tests"
+BEGIN = re.compile(r"# BEGIN TASK Week (\d+) Day (\d+), Task (\d+)")
+END = "# END TASK"
+SWAPS = {  # operator -> what a slip turns it into
+    "<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "!=", "!=": "==",
+    "+": "-", "-": "+", "*": "/", "/": "*", "//": "/", "%": "//",
+}  # fmt: skip
+SMALL_INTS = {"0": "1", "1": "0", "2": "1"}
+DROPPABLE = (ast.Assign, ast.AugAssign, ast.Expr)  # statements that can be left out
+
+
+@dataclass
+class Mutant:
+    module: str  # file name in the package
+    line: int  # 1-based line of the change
+    day: tuple[int, int]
+    task: int
+    what: str  # e.g. "'<' -> '<='"
+    text: str  # the whole mutated module
+    outcome: str = ""  # killed, survived, timeout (killed), broken (does not import)
+    seconds: float = 0.0
+
+
+def task_lines(source: str) -> dict[int, tuple[int, int, int]]:
+    """line number -> (week, day, task) for every line inside a task body."""
+    owner, where = {}, None
+    for number, line in enumerate(source.splitlines(), start=1):
+        found = BEGIN.search(line)
+        if found:
+            where = tuple(map(int, found.groups()))
+        elif line.strip() == END:
+            where = None
+        elif where is not None:
+            owner[number] = where
+    return owner
+
+
+def token_mutants(source: str, owner: dict) -> list[tuple[int, str, str]]:
+    """(line, description, mutated source) for each operator or small constant in a task."""
+    lines = source.splitlines(keepends=True)
+    out = []
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        (row, col), (_, end) = tok.start, tok.end
+        if row not in owner:
+            continue
+        if tok.type == tokenize.OP and tok.string in SWAPS:
+            new = SWAPS[tok.string]
+        elif tok.type == tokenize.NUMBER and tok.string in SMALL_INTS:
+            new = SMALL_INTS[tok.string]
+        else:
+            continue
+        changed = lines[row - 1][:col] + new + lines[row - 1][end:]
+        mutated = "".join(lines[: row - 1] + [changed] + lines[row:])
+        out.append((row, f"{tok.string!r} -> {new!r}", mutated))
+    return out
+
+
+def dropped_statements(source: str, owner: dict) -> list[tuple[int, str, str]]:
+    """(line, description, mutated source) for each one-line statement of a task left out."""
+    lines = source.splitlines(keepends=True)
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, DROPPABLE) or node.lineno != node.end_lineno:
+            continue
+        if node.lineno not in owner or isinstance(getattr(node, "value", None), ast.Constant):
+            continue  # a docstring or a bare constant: nothing to leave out
+        line = lines[node.lineno - 1]
+        indent = line[: len(line) - len(line.lstrip())]
+        mutated = "".join(lines[: node.lineno - 1] + [f"{indent}pass\n"] + lines[node.lineno :])
+        out.append((node.lineno, f"statement left out: {line.strip()[:60]}", mutated))
+    return out
+
+
+def make_mutants(days: set[tuple[int, int]] | None) -> list[Mutant]:
+    mutants = []
+    for path in sorted(REF.glob("*.py")):
+        source = path.read_text(encoding="utf-8")
+        owner = task_lines(source)
+        for row, what, text in token_mutants(source, owner) + dropped_statements(source, owner):
+            week, day, task = owner[row]
+            if (days is None or (week, day) in days) and compiles(text):
+                mutants.append(Mutant(path.name, row, (week, day), task, what, text))
+    return mutants
+
+
+def compiles(text: str) -> bool:
+    """Whether a mutant is still Python (* of an unpacking turned into / is not)."""
+    try:
+        compile(text, "<mutant>", "exec")
+    except SyntaxError:
+        return False
+    return True
+
+
+def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
+    """Paste the mutant into a copy of the package and run its day's tests against it."""
+    package = Path(tempfile.mkdtemp(dir=workdir)) / "tiny_llm"
+    shutil.copytree(REF, package, ignore=shutil.ignore_patterns("__pycache__"))
+    for module in package.glob("*.py"):
+        text = mutant.text if module.name == mutant.module else module.read_text()
+        module.write_text(text.replace("tiny_llm_ref", "tiny_llm"), encoding="utf-8")
+    week, day = mutant.day
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package.parent), str(ROOT / "src")]))
+    cmd = [sys.executable, "-m", "pytest", str(TESTS / f"test_week_{week}_day_{day}.py")]
+    cmd += ["--impl=student", "-x", "-q", "-p", "no:cacheprovider"]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=timeout)
+        mutant.outcome = "survived" if done.returncode == 0 else "killed"
+        if done.returncode in (2, 3, 4):  # collection or usage error: it does not even import
+            mutant.outcome = "broken"
+    except subprocess.TimeoutExpired:
+        mutant.outcome = "timeout"  # a hang the tests turned into a failure: killed
+    mutant.seconds = round(time.monotonic() - start, 1)
+    shutil.rmtree(package.parent, ignore_errors=True)
+    return mutant
+
+
+def day_table(mutants: list[Mutant]) -> list[dict]:
+    rows = []
+    for day in sorted({m.day for m in mutants}):
+        mine = [m for m in mutants if m.day == day and m.outcome != "broken"]
+        killed = sum(m.outcome in ("killed", "timeout") for m in mine)
+        rows.append(
+            {
+                "day": f"{day[0]}.{day[1]}",
+                "mutants": len(mine),
+                "killed": killed,
+                "survived": len(mine) - killed,
+                "killed_fraction": round(killed / len(mine), 3) if mine else None,
+                "survivors": [
+                    f"{m.module}:{m.line} (Task {m.task}) {m.what}"
+                    for m in mine
+                    if m.outcome == "survived"
+                ],
+            }
+        )
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--week", type=int)
+    p.add_argument("--day", type=int)
+    p.add_argument("--timeout", type=float, default=300, help="seconds per mutant's test run")
+    p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once")
+    p.add_argument("--json-output", type=Path, help="write the results here as JSON")
+    args = p.parse_args()
+    if args.day is not None and args.week is None:
+        p.error("--day needs --week")
+    days = None
+    if args.week is not None:
+        found = {(w, d) for w, d in (m.day for m in make_mutants(None))}
+        days = {(w, d) for w, d in found if w == args.week and args.day in (None, d)}
+        if not days:
+            p.error(f"no task bodies for week {args.week}" + (f" day {args.day}" * bool(args.day)))
+    mutants = make_mutants(days)
+    print(f"mutants: {len(mutants)} mutants of the task bodies, {args.jobs} at a time", flush=True)
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-mutants-") as tmp:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            runs = pool.map(lambda m: run_mutant(m, Path(tmp), args.timeout), mutants)
+            for n, m in enumerate(runs, start=1):
+                day = f"{m.day[0]}.{m.day[1]}"
+                print(f"  [{n}/{len(mutants)}] {day} {m.module}:{m.line} {m.what}: {m.outcome}")
+    table = day_table(mutants)
+    print(f"\n{'day':>5} {'mutants':>8} {'killed':>7} {'survived':>9} {'killed %':>9}")
+    for row in table:
+        share = f"{100 * row['killed_fraction']:.0f}%" if row["mutants"] else "-"
+        print(
+            f"{row['day']:>5} {row['mutants']:>8} {row['killed']:>7} {row['survived']:>9} {share:>9}"
+        )
+        for survivor in row["survivors"]:
+            print(f"        survived: {survivor}")
+    if args.json_output:
+        runs = [{k: v for k, v in asdict(m).items() if k != "text"} for m in mutants]
+        args.json_output.write_text(json.dumps({"days": table, "mutants": runs}, indent=1) + "\n")
+        print(f"wrote {args.json_output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(startup.run(main))  # Ctrl-C: one line, and the temporary copies removed

@@ -1,0 +1,174 @@
+"""Week 4 Day 7: sliding-window attention, and caches that let go of what left the window.
+
+In a layer with a window of W positions, the query at position p sees the keys at positions
+p - W + 1 ..= p: the causal mask of Week 3 Day 2 with a lower edge as well. A chunk of L queries
+that ends at the last of its keys therefore needs only the last L + W - 1 keys, however long the
+sequence, and a decode step (L = 1) only the last W.
+
+That bounds what a windowed layer must keep. The dense windowed cache here still keeps every
+key (a simple array that grows; only what attention reads is bounded), while the paged one
+returns each page whose positions have all left the window to the pool, so a request's memory
+in that layer stops growing at about W tokens (plus one chunk and a page).
+"""
+
+import math
+
+import mlx.core as mx
+
+from .flash_attention import block_partial, finish, merge_partials
+from .kv_cache import TinyKvFullCache, check_rewind
+from .paged_kv_cache import TinyKvPagedCache, TinyKvPagedPool
+
+
+def window_mask(L: int, S: int, window: int, dtype: mx.Dtype = mx.float32) -> mx.array:
+    """[L, S] additive mask for L queries at the end of S keys, each seeing its own position
+    and the window - 1 before it: query i sits at position S - L + i."""
+    # BEGIN TASK Week 4 Day 7, Task 1: the banded mask of a sliding window
+    if L < 1 or S < L:
+        raise ValueError(f"a window mask needs 1 <= L <= S, got L={L}, S={S}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    query_pos = mx.arange(S - L, S)[:, None]  # [L, 1]
+    key_pos = mx.arange(S)[None, :]  # [1, S]
+    visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [L, S]
+    return mx.where(visible, mx.array(0, dtype=dtype), mx.array(-mx.inf, dtype=dtype))
+    # END TASK
+
+
+def windowed_attention(
+    query: mx.array,
+    key: mx.array,
+    value: mx.array,
+    window: int,
+    scale: float | None = None,
+    block_size: int = 128,
+) -> mx.array:
+    """Sliding-window attention in blocks, with the online softmax of Week 3 Day 5.
+
+    query [B, H_q, L, D], key/value [B, H_kv, S, D]: query row i at position S - L + i sees the
+    keys S - L + i - window + 1 ..= S - L + i. For each block of queries only the key blocks
+    that overlap its band are read: those wholly before the band, like those wholly after the
+    diagonal, are skipped. -> [B, H_q, L, D].
+    """
+    l, s = query.shape[2], key.shape[2]
+    if not 1 <= l <= s or window < 1:
+        raise ValueError(f"windowed attention needs 1 <= L <= S and window >= 1, got L={l}, S={s}")
+    # BEGIN TASK Week 4 Day 7, Task 2: flash attention over the band of a sliding window
+    b, h_q, _, d = query.shape
+    h_kv = key.shape[1]
+    factor = 1.0 / math.sqrt(d) if scale is None else scale
+    q = query.reshape(b, h_kv, h_q // h_kv, l, d) * factor  # [B, H_kv, n_rep, L, D]
+    k, v = mx.expand_dims(key, 2), mx.expand_dims(value, 2)  # [B, H_kv, 1, S, D]
+    outputs = []
+    for q_start in range(0, l, block_size):
+        q_block = q[..., q_start : q_start + block_size, :]  # [..., bq, D]
+        first = s - l + q_start  # positions of this block's rows: first .. last
+        last = first + q_block.shape[-2] - 1
+        lowest = max(0, first - window + 1)  # the first key any row of the block sees
+        query_pos = mx.arange(first, last + 1)[:, None]  # [bq, 1]
+        partial = None
+        for k_start in range(lowest, last + 1, block_size):
+            k_end = min(k_start + block_size, last + 1)
+            scores = q_block @ k[..., k_start:k_end, :].swapaxes(-2, -1)  # [..., bq, bk]
+            key_pos = mx.arange(k_start, k_end)
+            visible = (key_pos <= query_pos) & (key_pos > query_pos - window)  # [bq, bk]
+            scores = mx.where(visible, scores, -mx.inf)
+            block = block_partial(scores, v[..., k_start:k_end, :])
+            partial = block if partial is None else merge_partials(partial, block)
+        outputs.append(finish(partial))  # [..., bq, D]
+    out = outputs[0] if len(outputs) == 1 else mx.concatenate(outputs, axis=-2)
+    return out.reshape(b, h_q, l, d)
+    # END TASK
+
+
+def in_window(keys: mx.array, values: mx.array, length: int, window: int):
+    """The last length + window - 1 positions of keys/values [B, H_kv, S, D] (all of them when
+    there are fewer): every key that length queries at the end may see, and a mask for them."""
+    keep = min(keys.shape[2], length + window - 1)
+    mask = window_mask(length, keep, window, keys.dtype) if length > 1 else None
+    return keys[:, :, -keep:, :], values[:, :, -keep:, :], mask
+
+
+class TinyKvWindowedCache(TinyKvFullCache):
+    """A dense cache for a layer with a sliding window: it keeps every key (the arrays grow as
+    for full attention), but attention reads only the last L + window - 1 of them."""
+
+    def __init__(self, window: int):
+        super().__init__()
+        self.window = window
+
+    @property
+    def reads_in_place(self) -> bool:
+        return True  # the model calls attend(), which reads only the window
+
+    def update_and_fetch(self, key: mx.array, value: mx.array):
+        """Append, then return the keys/values the new queries may see, with their band mask
+        (None for one query: it sees every key returned)."""
+        keys, values, _ = super().update_and_fetch(key, value)
+        return in_window(keys, values, key.shape[2], self.window)
+
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        keys, values, _ = self.update_and_fetch(key, value)
+        return windowed_attention(query, keys, values, self.window)
+
+
+class TinyKvWindowedPagedCache(TinyKvPagedCache):
+    """A paged cache for a layer with a sliding window: before each append it gives back to the
+    pool every page whose positions have all left the window of the next query.
+
+    The page table keeps its positions: its first `released` entries name pages already given
+    back (they may belong to another request by now) and are never read or freed again.
+    """
+
+    def __init__(self, pool: TinyKvPagedPool, window: int):
+        super().__init__(pool)
+        self.window = window
+        self.released = 0  # leading page-table entries given back to the pool
+
+    @property
+    def reads_in_place(self) -> bool:
+        return True  # attend() gathers only the pages still in the window
+
+    def release_left_behind(self) -> None:
+        """Give back the pages no query from position `offset` on can see: those whose last
+        position is before offset - window + 1."""
+        # BEGIN TASK Week 4 Day 7, Task 3: give back the pages that left the window
+        first_seen = max(0, self.offset - self.window + 1)  # the next query's first key
+        gone = first_seen // self.pool.page_size  # pages wholly before it
+        for page in self.page_table[self.released : gone]:
+            self.pool.free(page)
+        self.released = max(self.released, gone)
+        # END TASK
+
+    def update_and_fetch(self, key: mx.array, value: mx.array):
+        """Let go of what left the window, append, then gather the pages still held (from the
+        first one not released) and return what the new queries may see, with its mask."""
+        self.release_left_behind()
+        self.append(key, value)
+        start = self.released * self.pool.page_size  # the position of the first page held
+        keys, values = self.pool.gather(self.page_table[self.released :], self.offset - start)
+        return in_window(keys[None], values[None], key.shape[2], self.window)
+
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        keys, values, _ = self.update_and_fetch(key, value)
+        return windowed_attention(query, keys, values, self.window)
+
+    def share(self, pages: list[int]) -> None:
+        raise ValueError("a windowed layer gives its pages back: its pages cannot be shared")
+
+    def rewind(self, length: int) -> None:
+        """Roll back to `length` tokens; the window of the query at `length` must still be
+        held (a rewind of a few guessed tokens always is)."""
+        check_rewind(length, self.offset)
+        if length - self.window + 1 < self.released * self.pool.page_size:
+            raise ValueError(
+                f"cannot rewind to {length} tokens: the pages before position "
+                f"{self.released * self.pool.page_size} have left the window and gone back"
+            )
+        super().rewind(length)
+
+    def release(self) -> None:
+        """Free the pages still held; the released entries were freed already."""
+        self.page_table = self.page_table[self.released :]
+        self.released = 0
+        super().release()
