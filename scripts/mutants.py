@@ -135,6 +135,7 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
         module.write_text(text.replace("tiny_llm_ref", "tiny_llm"), encoding="utf-8")
     week, day = mutant.day
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package.parent), str(ROOT / "src")]))
+    env["TINY_LLM_REQUIRE_RANKS"] = "1"  # a two-rank test that cannot start fails, never passes
     cmd = [sys.executable, "-m", "pytest", str(TESTS / f"test_week_{week}_day_{day}.py")]
     cmd += ["--impl=student", "-x", "-q", "-p", "no:cacheprovider"]
     start = time.monotonic()

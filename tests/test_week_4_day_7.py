@@ -56,6 +56,8 @@ def band(L, S, window) -> np.ndarray:
     ids=["decode", "chunk-inside", "chunk-past", "prompt", "window-1", "window-S", "wide"],
 )
 def test_window_mask_sees_each_query_and_the_window_before_it(impl, L, S, window):
+    with pytest.raises(ValueError):
+        impl.window_mask(L, S, 0)  # a window holds at least the query's own position
     got = np.array(impl.window_mask(L, S, window))
     assert got.shape == (L, S), f"window_mask({L}, {S}, {window}) must be [L, S], got {got.shape}"
     want = band(L, S, window)
@@ -82,8 +84,24 @@ def fused_banded(q, k, v, window):
 
 @pytest.mark.parametrize(
     "L, S, window, block",
-    [(1, 40, 8, 4), (7, 40, 8, 4), (40, 40, 8, 4), (9, 33, 16, 8), (5, 12, 30, 4), (16, 64, 1, 8)],
-    ids=["decode", "chunk", "prompt", "gqa-blocks", "window-past-start", "window-1"],
+    [
+        (1, 40, 8, 4),
+        (1, 40, 9, 4),
+        (7, 40, 8, 4),
+        (40, 40, 8, 4),
+        (9, 33, 16, 8),
+        (5, 12, 30, 4),
+        (16, 64, 1, 8),
+    ],
+    ids=[
+        "decode",
+        "decode-block-at-diagonal",
+        "chunk",
+        "prompt",
+        "gqa-blocks",
+        "window-past-start",
+        "window-1",
+    ],
 )
 def test_windowed_attention_equals_fused_attention_with_a_band(impl, L, S, window, block):
     keys = mx.random.split(mx.random.key(L * 100 + S), 3)
