@@ -588,6 +588,18 @@ def plan_runs(items: Sequence[Any], repeats: int) -> list[tuple[int, str, Any]]:
     return plan
 
 
+def openblas_hint(core: str | None) -> str | None:
+    """The line that tells how to get faster kernels, when `core` (openblas_core) is one of
+    OLD_OPENBLAS_CORES; None otherwise."""
+    if core not in OLD_OPENBLAS_CORES:
+        return None
+    return (
+        f"hint: OpenBLAS runs its {core} kernels, several times slower on this machine than "
+        "the CPU allows (an OpenBLAS older than the CPU does not know it, or picks these): set "
+        "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
+    )
+
+
 def openblas_core() -> str | None:
     """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
     OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's

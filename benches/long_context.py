@@ -78,7 +78,6 @@ import numpy as np
 from common import (
     EMBEDDED_CONFIGS,
     EXIT_REPORTED,
-    OLD_OPENBLAS_CORES,
     RESULTS,
     BenchModel,
     add_model_arguments,
@@ -91,6 +90,7 @@ from common import (
     median,
     mlx_info,
     openblas_core,
+    openblas_hint,
     run_fresh,
     write_json,
 )
@@ -636,12 +636,8 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
         f"{args.dtype} on {device}, solution {SOLUTIONS[args.solution]}; BLAS "
         f"{blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else "")
     )
-    if core in OLD_OPENBLAS_CORES:
-        log(
-            f"hint: OpenBLAS runs its {core} kernels, far slower than a CPU with AVX2 or "
-            "AVX-512 allows (an OpenBLAS older than the CPU does not know it): set "
-            "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
-        )
+    if hint := openblas_hint(core):
+        log(hint)
     settings = {
         "prompt_lens": args.prompt_lens,
         "window": args.window,

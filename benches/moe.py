@@ -71,7 +71,6 @@ import mlx.core as mx
 import numpy as np
 from ceilings import measure_ceilings
 from common import (
-    OLD_OPENBLAS_CORES,
     RESULTS,
     check_outputs,
     host_info,
@@ -79,6 +78,7 @@ from common import (
     median,
     mlx_info,
     openblas_core,
+    openblas_hint,
     package_version,
     write_json,
 )
@@ -630,12 +630,8 @@ def run(pkg, args: argparse.Namespace, config: Qwen3Config) -> dict[str, Any]:
     device = choose_device("cpu")
     core = openblas_core()
     log(f"BLAS: {blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else ""))
-    if core in OLD_OPENBLAS_CORES:
-        log(
-            f"hint: OpenBLAS runs its {core} kernels, far slower than a CPU with AVX2 or "
-            "AVX-512 allows (an OpenBLAS older than the CPU does not know it): set "
-            "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
-        )
+    if hint := openblas_hint(core):
+        log(hint)
     log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
     ceilings = measure_ceilings(args.matmul_size, args.copy_mb, 3, DTYPE)
     t = time.perf_counter()

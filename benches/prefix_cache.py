@@ -60,7 +60,6 @@ import mlx.core as mx
 from common import (
     EMBEDDED_CONFIGS,
     EXIT_REPORTED,
-    OLD_OPENBLAS_CORES,
     RESULTS,
     BenchModel,
     add_model_arguments,
@@ -74,6 +73,7 @@ from common import (
     median,
     mlx_info,
     openblas_core,
+    openblas_hint,
     openblas_preload_env,
     package_version,
     percentile,
@@ -924,12 +924,8 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel, trace: AgentTrace
     )
     if core is not None:
         log(f"OpenBLAS kernels for the runs: {core}")
-    if core in OLD_OPENBLAS_CORES:
-        log(
-            f"hint: OpenBLAS would run its {core} kernels, far slower than a CPU with AVX2 or "
-            "AVX-512 allows (an OpenBLAS older than the CPU does not know it): set "
-            "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
-        )
+    if hint := openblas_hint(core):
+        log(hint)
     log(f"{len(plan)} runs: modes {args.modes} x {args.repeats} repeat(s)")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-prefix-cache-") as tmp:

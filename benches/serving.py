@@ -68,13 +68,13 @@ if __name__ == "__main__":
 # ruff: noqa: E402 (the imports below load MLX)
 from common import (
     EMBEDDED_CONFIGS,
-    OLD_OPENBLAS_CORES,
     RESULTS,
     blas_info,
     check_outputs,
     host_info,
     log,
     mlx_info,
+    openblas_hint,
     openblas_preload_env,
     package_version,
     percentile,
@@ -922,8 +922,8 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
     started = time.time()
     env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
     core = probe_openblas_core(env, preloaded)
-    if core in OLD_OPENBLAS_CORES:
-        log(f"hint: OpenBLAS would run its {core} kernels: set OPENBLAS_CORETYPE")
+    if hint := openblas_hint(core):
+        log(hint)
     runs: list[dict[str, Any]] = []
     servers = ["url"] if args.url else args.servers
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:

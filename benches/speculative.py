@@ -62,7 +62,6 @@ if __name__ == "__main__":
 import mlx.core as mx
 from common import (
     EXIT_REPORTED,
-    OLD_OPENBLAS_CORES,
     RESULTS,
     BenchModel,
     add_model_arguments,
@@ -75,6 +74,7 @@ from common import (
     median,
     mlx_info,
     openblas_core,
+    openblas_hint,
     openblas_preload_env,
     package_version,
     plan_runs,
@@ -893,12 +893,8 @@ def run_benchmark(args, model: BenchModel, modes: list[Mode], prompts, about, wa
     )
     if core is not None:
         log(f"OpenBLAS kernels for the runs: {core}")
-    if core in OLD_OPENBLAS_CORES:
-        log(
-            f"hint: OpenBLAS would run its {core} kernels, far slower than a CPU with AVX2 or "
-            "AVX-512 allows (an OpenBLAS older than the CPU does not know it): set "
-            "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
-        )
+    if hint := openblas_hint(core):
+        log(hint)
     log(f"{len(plan)} runs: {len(args.modes)} modes x {args.repeats} repeat(s)")
     common = {
         "model": model.to_dict(),

@@ -61,20 +61,22 @@ def blocked_partial(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
-    query_pos: mx.array,
+    first_query: int,
     first_key: int,
     block_size: int = 512,
 ) -> Partial:
-    """The partial result of queries q [B, H_kv, n_rep, L, D] (scaled) at positions query_pos [L]
-    over keys/values [B, H_kv, S, D] at positions first_key .., walked block_size keys at a time
-    (the [L, S] scores are never made), each key hidden from the queries it comes after."""
-    partial, earliest = None, query_pos[0].item()
+    """The partial result of queries q [B, H_kv, n_rep, L, D] (scaled) at positions
+    first_query .. over keys/values [B, H_kv, S, D] at positions first_key .., walked
+    block_size keys at a time (the [L, S] scores are never made), each key hidden from the
+    queries it comes after."""
+    partial = None
+    query_pos = mx.arange(first_query, first_query + q.shape[-2])  # [L]
     for start in range(0, keys.shape[2], block_size):
         k = mx.expand_dims(keys[:, :, start : start + block_size], 2)  # [B, H_kv, 1, K, D]
         v = mx.expand_dims(values[:, :, start : start + block_size], 2)
         scores = q @ k.swapaxes(-2, -1)  # [B, H_kv, n_rep, L, K]
         key_pos = mx.arange(first_key + start, first_key + start + k.shape[3])
-        if first_key + start + k.shape[3] - 1 > earliest:  # some key comes after some query
+        if first_key + start + k.shape[3] - 1 > first_query:  # a key after some query
             scores = mask_future_keys(scores, query_pos[:, None], key_pos)
         block = block_partial(scores, v)
         partial = block if partial is None else merge_partials(partial, block)
@@ -135,7 +137,7 @@ class RingKvCache(TinyKvCache):
         keys, values = self.local.keys[:, :, : self.holds], self.local.values[:, :, : self.holds]
         q = grouped_queries(query, key.shape[1])  # every key held precedes the query
         first = self.parts[self.group.rank()][0]  # the position of the first key held
-        partial = blocked_partial(q, keys, values, mx.array([self._offset - 1]), first)
+        partial = blocked_partial(q, keys, values, self._offset - 1, first)
         b, h_q, _, d = query.shape
         return finish(merge_ranks(partial, self.group)).reshape(b, h_q, 1, d)
 

@@ -57,7 +57,20 @@ def in_window(keys: mx.array, values: mx.array, length: int, window: int):
     return keys[:, :, -keep:, :], values[:, :, -keep:, :], mask
 
 
-class TinyKvWindowedCache(TinyKvFullCache):
+class AttendsTheWindow:
+    """What both windowed caches share: the model calls attend() (reads_in_place), which
+    attends with windowed_attention over what the cache's update_and_fetch returns: the keys
+    and values of the window only."""
+
+    reads_in_place = True
+    window: int
+
+    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
+        keys, values, _ = self.update_and_fetch(key, value)
+        return windowed_attention(query, keys, values, self.window)
+
+
+class TinyKvWindowedCache(AttendsTheWindow, TinyKvFullCache):
     """A dense cache for a layer with a sliding window: it keeps every key (the arrays grow as
     for full attention), but attention reads only the last L + window - 1 of them."""
 
@@ -65,22 +78,14 @@ class TinyKvWindowedCache(TinyKvFullCache):
         super().__init__()
         self.window = window
 
-    @property
-    def reads_in_place(self) -> bool:
-        return True  # the model calls attend(), which reads only the window
-
     def update_and_fetch(self, key: mx.array, value: mx.array):
         """Append, then return the keys/values the new queries may see, with their band mask
         (None for one query: it sees every key returned)."""
         keys, values, _ = super().update_and_fetch(key, value)
         return in_window(keys, values, key.shape[2], self.window)
 
-    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
-        keys, values, _ = self.update_and_fetch(key, value)
-        return windowed_attention(query, keys, values, self.window)
 
-
-class TinyKvWindowedPagedCache(TinyKvPagedCache):
+class TinyKvWindowedPagedCache(AttendsTheWindow, TinyKvPagedCache):
     """A paged cache for a layer with a sliding window: before each append it gives back to the
     pool every page whose positions have all left the window of the next query.
 
@@ -92,10 +97,6 @@ class TinyKvWindowedPagedCache(TinyKvPagedCache):
         super().__init__(pool)
         self.window = window
         self.released = 0  # leading page-table entries given back to the pool
-
-    @property
-    def reads_in_place(self) -> bool:
-        return True  # attend() gathers only the pages still in the window
 
     def release_left_behind(self) -> None:
         """Give back the pages no query from position `offset` on can see: those whose last
@@ -110,10 +111,6 @@ class TinyKvWindowedPagedCache(TinyKvPagedCache):
         start = self.released * self.pool.page_size  # the position of the first page held
         keys, values = self.pool.gather(self.page_table[self.released :], self.offset - start)
         return in_window(keys[None], values[None], key.shape[2], self.window)
-
-    def attend(self, query: mx.array, key: mx.array, value: mx.array) -> mx.array:
-        keys, values, _ = self.update_and_fetch(key, value)
-        return windowed_attention(query, keys, values, self.window)
 
     def share(self, pages: list[int]) -> None:
         raise ValueError("a windowed layer gives its pages back: its pages cannot be shared")

@@ -61,20 +61,22 @@ def blocked_partial(
     q: mx.array,
     keys: mx.array,
     values: mx.array,
-    query_pos: mx.array,
+    first_query: int,
     first_key: int,
     block_size: int = 512,
 ) -> Partial:
-    """The partial result of queries q [B, H_kv, n_rep, L, D] (scaled) at positions query_pos [L]
-    over keys/values [B, H_kv, S, D] at positions first_key .., walked block_size keys at a time
-    (the [L, S] scores are never made), each key hidden from the queries it comes after."""
-    partial, earliest = None, query_pos[0].item()
+    """The partial result of queries q [B, H_kv, n_rep, L, D] (scaled) at positions
+    first_query .. over keys/values [B, H_kv, S, D] at positions first_key .., walked
+    block_size keys at a time (the [L, S] scores are never made), each key hidden from the
+    queries it comes after."""
+    partial = None
+    query_pos = mx.arange(first_query, first_query + q.shape[-2])  # [L]
     for start in range(0, keys.shape[2], block_size):
         k = mx.expand_dims(keys[:, :, start : start + block_size], 2)  # [B, H_kv, 1, K, D]
         v = mx.expand_dims(values[:, :, start : start + block_size], 2)
         scores = q @ k.swapaxes(-2, -1)  # [B, H_kv, n_rep, L, K]
         key_pos = mx.arange(first_key + start, first_key + start + k.shape[3])
-        if first_key + start + k.shape[3] - 1 > earliest:  # some key comes after some query
+        if first_key + start + k.shape[3] - 1 > first_query:  # a key after some query
             scores = mask_future_keys(scores, query_pos[:, None], key_pos)
         block = block_partial(scores, v)
         partial = block if partial is None else merge_partials(partial, block)
@@ -94,15 +96,15 @@ def ring_prefill_attention(
     r, n = group.rank(), group.size()
     b, h_q, l, d = query.shape
     q = grouped_queries(query, key.shape[1])  # [B, H_kv, n_rep, L, D]
-    positions = mx.arange(parts[r][0], parts[r][1])  # this part's positions
-    partial = blocked_partial(q, key, value, positions, parts[r][0])  # causal in the own part
+    first = parts[r][0]  # this part's first position
+    partial = blocked_partial(q, key, value, first, first)  # causal in the own part
     keys, values = key, value
     for step in range(1, n):
         source = (r - step) % n  # whose block arrives in this step
         start, stop = parts[source]
         keys, values = pass_along(keys, values, group, (b, key.shape[1], stop - start, d))
         if source < r:  # an earlier part: every key is visible to every query here
-            partial = merge_partials(partial, blocked_partial(q, keys, values, positions, start))
+            partial = merge_partials(partial, blocked_partial(q, keys, values, first, start))
     return finish(partial).reshape(b, h_q, l, d)
     # END TASK
 
@@ -154,7 +156,7 @@ class RingKvCache(TinyKvCache):
         keys, values = self.local.keys[:, :, : self.holds], self.local.values[:, :, : self.holds]
         q = grouped_queries(query, key.shape[1])  # every key held precedes the query
         first = self.parts[self.group.rank()][0]  # the position of the first key held
-        partial = blocked_partial(q, keys, values, mx.array([self._offset - 1]), first)
+        partial = blocked_partial(q, keys, values, self._offset - 1, first)
         b, h_q, _, d = query.shape
         return finish(merge_ranks(partial, self.group)).reshape(b, h_q, 1, d)
 
