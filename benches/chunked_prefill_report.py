@@ -13,7 +13,7 @@ def summary_table(report: dict[str, Any]) -> str:
     header = (
         f"{'policy':>9} {'pool':>5} {'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
         f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
-        f"{'ttft p50':>9} {'chunks':>6}"
+        f"{'ttft p50':>9} {'chunks':>6} {'refused':>7} {'preempt':>7}"
     )
     lines = [header]
     for row in report["budgets"]:
@@ -25,9 +25,21 @@ def summary_table(report: dict[str, Any]) -> str:
             f"{m['requests_per_s']:>6.3f} {m['wall_s']:>7.2f} "
             f"{_num(m['decode_step_ms_median'])} {_num(m['decode_gap_ms_median'])} "
             f"{_num(m['decode_gap_ms_p95'])} {_num(m['decode_gap_ms_max'])} "
-            f"{_num(m['ttft_ms_median'])} {m['prefill_chunks']:>6.0f}"
+            f"{_num(m['ttft_ms_median'])} {m['prefill_chunks']:>6.0f} "
+            f"{m.get('refused', 0):>7.0f} {m.get('preemptions', 0):>7.0f}"
         )
-    return "\n".join(lines) + "\n(times in ms, medians over runs)"
+    return "\n".join(lines) + (
+        "\n(times in ms, medians over runs; req/s counts served requests; refused: requests "
+        "the page pool could never hold; preempt: requests sent back to the queue)"
+    )
+
+
+def _point_label(row: dict[str, Any]) -> str:
+    """A point's budget, and its refused and preempted requests when there were any."""
+    m = row["median"]
+    extra = [f"{m[k]:.0f} {word}" for k, word in (("refused", "refused"),
+             ("preemptions", "preempted")) if m.get(k)]  # fmt: skip
+    return ", ".join([str(row["prefill_step"]), *extra])
 
 
 def _num(value: float | None) -> str:
@@ -46,6 +58,14 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
         return None
     rows = [r for r in report["budgets"] if r["median"]["decode_gap_ms_p95"] is not None]
+    unplotted = [  # a pool that refused every request has no point to draw: say so instead
+        f"{r.get('policy', 'alternate')}, pool {r.get('max_pages')} pages, budget "
+        f"{r['prefill_step']}: no decode ({r['median'].get('refused', 0):.0f} requests refused)"
+        for r in report["budgets"]
+        if r["median"]["decode_gap_ms_p95"] is None
+    ]
+    for line in unplotted:
+        log(f"not plotted: {line}")
     fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
     series: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:  # one line per scheduler (and pool size), one point per budget
@@ -65,7 +85,7 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         ax.errorbar(xs, ys, xerr=xerr, yerr=yerr, fmt="o-", capsize=3, label=label)
         for x, y, r in zip(xs, ys, mine):
             ax.annotate(
-                str(r["prefill_step"]),
+                _point_label(r),
                 (x, y),
                 textcoords="offset points",
                 xytext=(6, 6),
@@ -85,7 +105,9 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         fontsize=9,
     )
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
+    if unplotted:
+        fig.text(0.01, 0.01, "not plotted: " + "; ".join(unplotted), fontsize=7, wrap=True)
+    fig.tight_layout(rect=(0, 0.05 if unplotted else 0, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
     plt.close(fig)

@@ -600,6 +600,18 @@ def openblas_hint(core: str | None) -> str | None:
     )
 
 
+def log_blas() -> str | None:
+    """Print the BLAS this process runs on (and the hint when its kernels are old); return
+    openblas_core()."""
+    from tiny_llm_support import blas_info
+
+    core = openblas_core()
+    log(f"BLAS: {blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else ""))
+    if hint := openblas_hint(core):
+        log(hint)
+    return core
+
+
 def openblas_core() -> str | None:
     """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
     OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's

@@ -51,6 +51,7 @@ from common import (
     check_outputs,
     host_info,
     log,
+    log_blas,
     mlx_info,
     write_json,
 )
@@ -471,6 +472,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     check_outputs(parser, args.json_output, None if args.no_plot else png)
     device = choose_device(args.device)
     pkg = __import__({"ref": "tiny_llm_ref", "tiny_llm": "tiny_llm"}[args.solution])
+    log(
+        f"attention: H_q {H_Q}, H_kv {H_KV}, head_dim {HEAD_DIM}; decode: model "
+        f"{bench_model.name} ({bench_model.num_layers} layers, "
+        f"{'random' if bench_model.random_weights else 'checkpoint'} weights); "
+        f"{args.dtype} on {device}, solution {pkg.__name__}"
+    )
+    log_blas()
     started = time.time()
     attention = [] if args.skip == "attention" else bench_attention(pkg, args)
     decoding = args.skip != "decode"

@@ -87,10 +87,10 @@ from common import (
     device_name,
     host_info,
     log,
+    log_blas,
     median,
     mlx_info,
     openblas_core,
-    openblas_hint,
     run_fresh,
     write_json,
 )
@@ -628,16 +628,13 @@ def run_parts(args, model: BenchModel, tmp: Path, settings: dict) -> tuple[list,
 
 def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
     started = time.time()
-    core = openblas_core()
     device = device_name(args.device)
     log(
         f"model {model.name} ({model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
         f"parameters, {'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {device}, solution {SOLUTIONS[args.solution]}; BLAS "
-        f"{blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else "")
+        f"{args.dtype} on {device}, solution {SOLUTIONS[args.solution]}"
     )
-    if hint := openblas_hint(core):
-        log(hint)
+    core = log_blas()
     settings = {
         "prompt_lens": args.prompt_lens,
         "window": args.window,

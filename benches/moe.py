@@ -75,10 +75,9 @@ from common import (
     check_outputs,
     host_info,
     log,
+    log_blas,
     median,
     mlx_info,
-    openblas_core,
-    openblas_hint,
     package_version,
     write_json,
 )
@@ -628,10 +627,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Qwen3Con
 def run(pkg, args: argparse.Namespace, config: Qwen3Config) -> dict[str, Any]:
     started = time.time()
     device = choose_device("cpu")
-    core = openblas_core()
-    log(f"BLAS: {blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else ""))
-    if hint := openblas_hint(core):
-        log(hint)
+    core = log_blas()
     log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
     ceilings = measure_ceilings(args.matmul_size, args.copy_mb, 3, DTYPE)
     t = time.perf_counter()

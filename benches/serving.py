@@ -530,9 +530,11 @@ def compare_texts(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return counts
 
 
-def run_soak(args, ckpt: Path, env: dict, tmp: Path, trace: Trace) -> dict[str, Any]:
-    """--soak N requests (the chat trace, cycled) at the highest rate against a fresh tiny-llm;
-    one client in four hangs up after a random number of chunks."""
+def run_soak(args, ckpt: Path, env: dict, tmp: Path) -> dict[str, Any]:
+    """--soak N requests (the whole chat trace, whatever --requests says, cycled) at the
+    highest rate against a fresh tiny-llm; one client in four hangs up after a random number
+    of chunks."""
+    trace = read_trace("chat", TRACES["chat"], None)
     rate = max(args.rates)
     rng = random.Random(args.seed + 1)
     jobs = [
@@ -565,7 +567,9 @@ def run_soak(args, ckpt: Path, env: dict, tmp: Path, trace: Trace) -> dict[str, 
         records = asyncio.run(go())
         after = wait_idle(server, before, len(jobs))
         rss = rss_bytes(server.pid)
-    return soak_report(args, records, hangups, before, after, samples, t0, rss)
+    return {"distinct_prompts": len(trace.jobs)} | soak_report(
+        args, records, hangups, before, after, samples, t0, rss
+    )
 
 
 def wait_idle(server: Server, before: dict, sent: int) -> dict[str, float]:
@@ -593,6 +597,10 @@ def soak_report(args, records, hangups, before, after, samples, t0, rss_end) -> 
     warm_at = t0 + ends[max(0, len(ends) // 10 - 1)] if ends else t0
     rss_warm = next((b for t, b in samples if t >= warm_at and b), rss_end)
     growth = (rss_end - rss_warm) / rss_warm if rss_warm and rss_end else None
+    # and over the second half of the run alone: caches that fill early stop counting there
+    middle = (samples[0][0] + samples[-1][0]) / 2 if samples else t0
+    rss_middle = next((b for t, b in samples if t >= middle and b), rss_end)
+    late = (rss_end - rss_middle) / rss_middle if rss_middle and rss_end else None
     pages_in_use = after.get("tiny_llm_kv_pages_in_use")
     return {
         "requests": len(records),
@@ -620,6 +628,7 @@ def soak_report(args, records, hangups, before, after, samples, t0, rss_end) -> 
         "rss_growth_after_warmup": growth,
         "rss_growth_target": 0.05,
         "rss_growth_met": growth is not None and growth < 0.05,
+        "rss_growth_second_half": late,
         "rss_samples": [[round(t - t0, 2), b] for t, b in samples[:: max(1, len(samples) // 200)]],
         "server_metrics_end": after,
     }
@@ -766,8 +775,9 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     fig.suptitle(
         f"serving under load: {m['name']} ({m.get('num_layers', '?')} layers), float32, "
         f"tiny-llm (hybrid, budget {report['settings']['prefill_step']}, batch "
-        f"{report['settings']['batch_size']}) against mlx_lm.server"
-        + (" - small validation run" if report.get("note") else ""),
+        f"{report['settings']['batch_size']}) against mlx_lm.server; "
+        f"{report['arguments']['requests'] or 'all'} requests per trace; "
+        f"{report['host']['machine']}, {report['host']['cpu_count']} CPUs",
         fontsize=9,
     )
     fig.tight_layout()
@@ -908,6 +918,8 @@ def main(argv=None) -> int:
     args.json_output = args.json_output or default_json_path(args)
     args.plot_output = args.plot_output or args.json_output.with_suffix(".png")
     check_outputs(p, args.json_output, None if args.no_plot else args.plot_output)
+    if not args.url:
+        check_model(p, args.model)
     traces = [read_trace(name, TRACES[name], args.requests) for name in args.traces]
     report = run_benchmark(args, traces)
     write_json(args.json_output, report)
@@ -916,6 +928,24 @@ def main(argv=None) -> int:
         log(f"wrote {args.plot_output}")
     print(summary_table(report))
     return 0
+
+
+def check_model(p: argparse.ArgumentParser, model: str) -> None:
+    """A --model that names no checkpoint is a usage error, one whose files are wrong an error
+    naming the file (status 1), both before any server starts."""
+    from tiny_llm_support import CheckpointError, load_checkpoint
+    from tiny_llm_support.cli import model_path
+
+    if model.lower() in EMBEDDED_CONFIGS and not Path(model).exists():
+        return  # random weights of a known shape, written by the bench itself
+    try:
+        path = model_path(model)
+    except ValueError as e:  # its first line names the problem; the rest lists the models
+        p.error(f"--model: {str(e).splitlines()[0]}")
+    try:
+        load_checkpoint(path)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
@@ -942,8 +972,7 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
                     for trace in traces:
                         runs.append(measure(name, server.url, server.model_id, trace, rate,
                                             args, server.pid))  # fmt: skip
-        chat = next((t for t in traces if t.name == "chat"), traces[0])
-        soak = run_soak(args, ckpt, env, tmp, chat) if args.soak and not args.url else None
+        soak = run_soak(args, ckpt, env, tmp) if args.soak and not args.url else None
     matches = compare_texts(runs)
     return {
         "schema": SCHEMA,

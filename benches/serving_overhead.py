@@ -61,10 +61,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("prompts", "max_tokens", "batch_size", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    check_model(p, args.model)
     if args.json_output is None:
-        args.json_output = RESULTS / f"serving-overhead-{args.model}-linux-2cpu.json"
+        name = Path(args.model).name
+        args.json_output = RESULTS / f"serving-overhead-{name}-linux-2cpu.json"
     check_outputs(p, args.json_output)
     return args
+
+
+def check_model(p: argparse.ArgumentParser, model: str) -> None:
+    """A --model that names no checkpoint, or one that does not load, is one line here,
+    before any process starts."""
+    from tiny_llm_support import SHORTCUTS, CheckpointError, load_checkpoint
+    from tiny_llm_support.cli import model_path
+
+    try:
+        path = model_path(model)
+    except ValueError as e:  # its first line names the problem; the rest lists the models
+        names = ", ".join(["tiny", "tiny-random", *SHORTCUTS])
+        p.error(f"--model: {str(e).splitlines()[0]} (one of {names}, a repo id or a directory)")
+    try:
+        load_checkpoint(path)
+    except CheckpointError as e:  # the files are there but wrong: status 1, as the others
+        raise SystemExit(f"error: {e}") from None
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[dict]]:
@@ -177,7 +196,8 @@ def wait_for_port(proc, out: Path, timeout: float = 120) -> int:
         if proc.poll() is not None:
             break
         time.sleep(0.1)
-    raise RuntimeError(f"serve.py did not start; see {out.parent}")
+    errors = (out.parent / "serve.err").read_text().strip().splitlines() or ["(no output)"]
+    raise SystemExit(f"error: serve.py did not start: {errors[-1]}")
 
 
 def stream(client, messages, max_tokens: int, model: str, start: float = 0.0) -> tuple:
@@ -226,7 +246,10 @@ def engine_in_fresh_process(args: argparse.Namespace) -> dict:
     cmd += ["--prompts", str(args.prompts), "--max-tokens", str(args.max_tokens)]
     cmd += ["--batch-size", str(args.batch_size)]
     # a session of its own: Ctrl-C reaches this process alone, which stops the run
-    done = subprocess.run(cmd, capture_output=True, text=True, check=True, start_new_session=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, start_new_session=True)
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise SystemExit(f"error: the engine run failed (exit status {done.returncode}): {last}")
     return json.loads(done.stdout)
 
 

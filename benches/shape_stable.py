@@ -344,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
             f"latency {r['latency_s_by_round'][0]:.1f} / {r['latency_s_by_round'][1]:.1f} s, "
             f"peak {r['peak_bytes'] / 2**20:.0f} MiB, tokens equal: {r['tokens_equal_eager']}"
         )
+    if speeds:
+        log(f"speeds at a {speeds['prompt_tokens']}-token prompt (medians):")
+        for name, s in speeds["impls"].items():
+            log(
+                f"{name:>22}: prefill {s['prefill_tokens_per_s']:.0f} tokens/s "
+                f"({s['prefill_s_median']:.2f} s), decode {s['decode_ms_median']:.1f} ms/step"
+            )
     return 0
 
 

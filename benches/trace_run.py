@@ -244,6 +244,8 @@ def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
     metrics = run_metrics(rec, trace)
     metrics.update(
         {
+            "requests_per_s": (n - len(refused)) / rec.wall,  # requests served, not refused
+            "output_tokens": sum(want),
             "refused": len(refused),
             "preemptions": sum(r.preemptions for r in rec.requests.values()),
             "recomputed_tokens": rec.prefill_tokens()

@@ -165,6 +165,10 @@ EDITS = {
     "template-sandbox": template("{{ messages.__class__.__mro__[1].__subclasses__() }}"),
     "template-raises": template("{{ raise_exception('roles must alternate user/assistant') }}"),
     "template-type": template("{{ messages + 1 }}"),
+    "template-loop": template(
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    ),
+    "template-repeat": template("{{ 'ab' * 10**9 }}"),
     "heads-5": config(num_attention_heads=5, num_key_value_heads=1),
     "kv-heads-1": config(num_key_value_heads=1),
     "mlp-129": config(intermediate_size=129),
@@ -277,15 +281,18 @@ ENTRY_POINTS = {
     "bench-shape-stable": ["benches/shape_stable.py"],
     "bench-speculative": ["benches/speculative.py"],
     "bench-tensor-parallel": ["benches/tensor_parallel.py"],
+    "bench-long-context": ["benches/long_context.py", "--no-openblas"],
+    "bench-moe": ["benches/moe.py", "--no-openblas"],
+    "bench-serving": ["benches/serving.py", "--servers", "tiny-llm", "--no-openblas"],
 }
 ALL = ("main", "batch-main", "serve")
 SERVERS = ("batch-main", "serve")  # the scheduler's flags
 RANKS = ("main", "batch-main")  # --tp
 BENCHES = tuple(name for name in ENTRY_POINTS if name.startswith("bench-"))
-# the benchmarks that check a checkpoint's --model before their first run (bench-serving-overhead
-# reads it in its runs only, bench-tensor-parallel takes a shape's name), and those of them that
-# read its weights (bench-quantization takes only its shape, with random weights)
-NO_CHECKPOINT = ("bench-serving-overhead", "bench-tensor-parallel")
+# the benchmarks that check a checkpoint's --model before their first run (bench-tensor-parallel
+# takes a shape's name, bench-moe has its own fixed shape), and those of them that read its
+# weights (bench-quantization takes only its shape, with random weights)
+NO_CHECKPOINT = ("bench-moe", "bench-tensor-parallel")
 BENCH_MODELS = tuple(b for b in BENCHES if b not in NO_CHECKPOINT)
 BENCH_WEIGHTS = tuple(b for b in BENCH_MODELS if b != "bench-quantization")
 
@@ -314,6 +321,10 @@ CHECKPOINT_CONTENTS = [
      ["tokenizer_config.json: the chat template failed: roles must alternate"]),
     (ALL, ["--model", "@template-type"], 1,
      ["tokenizer_config.json: the chat template failed", "list"]),
+    (ALL, ["--model", "@template-loop"], 1,
+     ["tokenizer_config.json: the chat template ran too long", "more than 5 s (a loop?)"]),
+    (ALL, ["--model", "@template-repeat"], 1,
+     ["tokenizer_config.json: the chat template was refused by the sandbox", "too much"]),
     (BENCH_MODELS, ["--model", "@config-json"], 1, ["config.json: not valid JSON"]),
     (BENCH_MODELS, ["--model", "@config-list"], 1, ["config.json: expected a JSON object"]),
     (BENCH_WEIGHTS, ["--model", "@half"], 1,

@@ -1,6 +1,8 @@
 """Tests for tiny_llm_support: checkpoints, tokenizer, model names, device and BLAS helpers."""
 
 import json
+import re
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -646,6 +648,34 @@ def test_template_is_sandboxed(tokenizer):
     tok = support.Tokenizer(tokenizer.hf_tokenizer, tokenizer.config, chat_template=evil)
     with pytest.raises(SecurityError):
         tok.apply_chat_template([])
+
+
+@pytest.mark.parametrize(
+    "source, words",
+    [
+        ("{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}",
+         "ran too long"),
+        ("{% set r = range(99999) %}{% for i in r %}{% for j in r %}{{ '' }}{% endfor %}"
+         "{% endfor %}", "ran too long"),
+        ("{{ 'ab' * 10**9 }}", "repeating a sequence 1000000000 times is too much"),
+        ("{{ [0] * 10**8 }}", "too much"),
+        ("{{ 2 ** 1000000 }}", "an exponent of 1000000 is too large"),
+    ],
+)  # fmt: skip
+def test_template_cannot_run_forever(tokenizer, monkeypatch, source, words):
+    """A template is a program from the checkpoint: a loop of loops stops at the time limit,
+    an expression that would build gigabytes is refused, and the trace hook is put back."""
+    from tiny_llm_support import tokenizer as module
+
+    monkeypatch.setattr(module, "TEMPLATE_SECONDS", 0.2)
+    tok = support.Tokenizer(tokenizer.hf_tokenizer, tokenizer.config, chat_template=source)
+    before = sys.gettrace()
+    with pytest.raises(module.ChatTemplateError, match=re.escape(words)):
+        tok.apply_chat_template([])
+    assert sys.gettrace() is before, "rendering must put back the trace function it found"
+    small = "{{ 'ab' * 3 }}{{ 2 ** 8 }}"  # what stays allowed
+    fine = support.Tokenizer(tokenizer.hf_tokenizer, tokenizer.config, chat_template=small)
+    assert fine.apply_chat_template([]) == "ababab256"
 
 
 # --- streaming detokenizer ------------------------------------------------------------------

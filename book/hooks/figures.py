@@ -124,6 +124,8 @@ def format_value(value: Any, spec: str) -> str:
         return f"{parts[0]} ({parts[1]}-{parts[2]})"
     if isinstance(value, str) and not spec:
         return value  # a version or a name recorded with the result
+    if isinstance(value, bool) and not spec:
+        return "yes" if value else "no"  # a check recorded with the result
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise ValueError(f"{value!r} is not a number")
     if not spec:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import sys
+import time
 from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
@@ -16,6 +18,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from .checkpoint_files import CheckpointError, read_json_object
 
 REPLACEMENT_CHAR = "\ufffd"
+TEMPLATE_SECONDS = 5.0  # a chat template renders in milliseconds; one that runs longer loops
+TEMPLATE_MAX_ITEMS = 1_000_000  # the longest string or list that `*` or `**` may make
 
 
 class ChatTemplateError(CheckpointError):
@@ -33,6 +37,27 @@ class ChatTemplateError(CheckpointError):
 
 class ChatTemplateRefused(ChatTemplateError, SecurityError):
     """The sandbox refused what a template tried to do (still a jinja2 SecurityError)."""
+
+
+class TemplateTimeout(TemplateError):
+    """A template ran past TEMPLATE_SECONDS."""
+
+
+class _BoundedSandbox(ImmutableSandboxedEnvironment):
+    """The sandbox, plus a bound on what one expression can make: `'a' * 10**9` or `9**9**9`
+    would run for minutes inside one step that no time check can interrupt."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and abs(right) > 64:
+            raise SecurityError(f"an exponent of {right} is too large")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, str | list | tuple) and isinstance(n, int):
+                    if len(seq) * n > TEMPLATE_MAX_ITEMS:
+                        raise SecurityError(f"repeating a sequence {n} times is too much")
+        return super().call_binop(context, operator, left, right)
 
 
 class Tokenizer:
@@ -101,12 +126,15 @@ class Tokenizer:
         }
         try:
             template = _jinja_env().from_string(self.chat_template)
-            return template.render(
+            return _render_in_time(
+                template,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 enable_thinking=enable_thinking,
                 **variables,
             )
+        except TemplateTimeout as e:
+            raise ChatTemplateError(self.template_source, e, "ran too long") from e
         except SecurityError as e:
             raise ChatTemplateRefused(self.template_source, e, "was refused by the sandbox") from e
         except Exception as e:  # a template is a program from the checkpoint: a syntax error,
@@ -254,12 +282,34 @@ def _tojson(value: Any, indent: int | None = None) -> str:
     return json.dumps(value, ensure_ascii=False, indent=indent)
 
 
+def _render_in_time(template: Any, **variables: Any) -> str:
+    """template.render(**variables), stopped with TemplateTimeout after TEMPLATE_SECONDS: a
+    trace function looks at the clock on every line of the compiled template (its code is
+    Python, from a file named "<template>"), so that a loop of loops cannot hang a server."""
+    deadline = time.monotonic() + TEMPLATE_SECONDS
+
+    def on_line(frame: Any, event: str, arg: Any) -> Any:
+        if time.monotonic() > deadline:
+            raise TemplateTimeout(f"it ran for more than {TEMPLATE_SECONDS:g} s (a loop?)")
+        return on_line
+
+    def on_call(frame: Any, event: str, arg: Any) -> Any:
+        return on_line(frame, event, arg) if frame.f_code.co_filename == "<template>" else None
+
+    previous = sys.gettrace()
+    sys.settrace(on_call)
+    try:
+        return template.render(**variables)
+    finally:
+        sys.settrace(previous)
+
+
 def _strftime_now(fmt: str) -> str:
     return datetime.now().strftime(fmt)
 
 
 def _jinja_env() -> ImmutableSandboxedEnvironment:
-    env = ImmutableSandboxedEnvironment(
+    env = _BoundedSandbox(
         trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
     )
     env.filters["tojson"] = _tojson
