@@ -17,6 +17,7 @@ from helpers import Injected, StepLog, prompt_with_tokens
 
 LENGTHS = (10, 12, 9, 14, 11, 8)
 NEW_TOKENS = 12  # with pages of 4 tokens a request holds at most ceil(26 / 4) = 7 pages
+MAX_PREEMPTIONS = 20  # per request: these traces need a few; more is a scheduler in a loop
 
 
 @pytest.fixture(scope="module")
@@ -41,9 +42,20 @@ class PageAudit(StepLog):
         super().__init__()
         self.pools = pools
         self.live = []  # admitted, not finished, not preempted since
+        self.preempted = {}  # prompt_idx -> times preempted
 
     def __call__(self, step):
         super().__call__(step)
+        if step.kind == "preempt":
+            times = self.preempted.get(step.request.prompt_idx, 0) + 1
+            self.preempted[step.request.prompt_idx] = times
+            assert times <= MAX_PREEMPTIONS, (
+                f"prompt {step.request.prompt_idx} was preempted {times} times: the scheduler is "
+                "going round in circles. A request that needs more pages than the whole pool "
+                "pushes the others out and then itself, for ever: refusal (Task 3) must turn it "
+                "away when it is added (its pages for prompt + max_new_tokens, rounded up, "
+                "against max_pages)"
+            )
         if step.kind == "admit":
             self.live.append(step.request)
         elif step.kind in ("finish", "preempt"):
