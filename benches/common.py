@@ -600,6 +600,23 @@ def openblas_hint(core: str | None) -> str | None:
     )
 
 
+def check_checkpoint_arg(p: argparse.ArgumentParser, model: str) -> None:
+    """A --model that names no checkpoint is a usage error (status 2, one line with the names);
+    one whose files are wrong is an error naming the file (status 1). Both before any run."""
+    from tiny_llm_support import SHORTCUTS, CheckpointError, load_checkpoint
+    from tiny_llm_support.cli import model_path
+
+    try:
+        path = model_path(model)
+    except ValueError as e:  # its first line names the problem; the rest lists the models
+        names = ", ".join(["tiny", "tiny-random", *SHORTCUTS])
+        p.error(f"--model: {str(e).splitlines()[0]} (one of {names}, a repo id or a directory)")
+    try:
+        load_checkpoint(path)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
 def log_blas() -> str | None:
     """Print the BLAS this process runs on (and the hint when its kernels are old); return
     openblas_core()."""

@@ -70,6 +70,7 @@ from common import (
     EMBEDDED_CONFIGS,
     RESULTS,
     blas_info,
+    check_checkpoint_arg,
     check_outputs,
     host_info,
     log,
@@ -918,8 +919,10 @@ def main(argv=None) -> int:
     args.json_output = args.json_output or default_json_path(args)
     args.plot_output = args.plot_output or args.json_output.with_suffix(".png")
     check_outputs(p, args.json_output, None if args.no_plot else args.plot_output)
-    if not args.url:
-        check_model(p, args.model)
+    if not args.url and not (
+        args.model.lower() in EMBEDDED_CONFIGS and not Path(args.model).exists()
+    ):
+        check_checkpoint_arg(p, args.model)  # a shortcut's random weights are the bench's own
     traces = [read_trace(name, TRACES[name], args.requests) for name in args.traces]
     report = run_benchmark(args, traces)
     write_json(args.json_output, report)
@@ -928,24 +931,6 @@ def main(argv=None) -> int:
         log(f"wrote {args.plot_output}")
     print(summary_table(report))
     return 0
-
-
-def check_model(p: argparse.ArgumentParser, model: str) -> None:
-    """A --model that names no checkpoint is a usage error, one whose files are wrong an error
-    naming the file (status 1), both before any server starts."""
-    from tiny_llm_support import CheckpointError, load_checkpoint
-    from tiny_llm_support.cli import model_path
-
-    if model.lower() in EMBEDDED_CONFIGS and not Path(model).exists():
-        return  # random weights of a known shape, written by the bench itself
-    try:
-        path = model_path(model)
-    except ValueError as e:  # its first line names the problem; the rest lists the models
-        p.error(f"--model: {str(e).splitlines()[0]}")
-    try:
-        load_checkpoint(path)
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
 
 
 def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:

@@ -36,7 +36,16 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
-from common import check_outputs, host_info, log, median, mlx_info, summarize, write_json
+from common import (
+    check_checkpoint_arg,
+    check_outputs,
+    host_info,
+    log,
+    median,
+    mlx_info,
+    summarize,
+    write_json,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
@@ -61,29 +70,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("prompts", "max_tokens", "batch_size", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    check_model(p, args.model)
+    check_checkpoint_arg(p, args.model)
     if args.json_output is None:
         name = Path(args.model).name
         args.json_output = RESULTS / f"serving-overhead-{name}-linux-2cpu.json"
     check_outputs(p, args.json_output)
     return args
-
-
-def check_model(p: argparse.ArgumentParser, model: str) -> None:
-    """A --model that names no checkpoint, or one that does not load, is one line here,
-    before any process starts."""
-    from tiny_llm_support import SHORTCUTS, CheckpointError, load_checkpoint
-    from tiny_llm_support.cli import model_path
-
-    try:
-        path = model_path(model)
-    except ValueError as e:  # its first line names the problem; the rest lists the models
-        names = ", ".join(["tiny", "tiny-random", *SHORTCUTS])
-        p.error(f"--model: {str(e).splitlines()[0]} (one of {names}, a repo id or a directory)")
-    try:
-        load_checkpoint(path)
-    except CheckpointError as e:  # the files are there but wrong: status 1, as the others
-        raise SystemExit(f"error: {e}") from None
 
 
 def chat_prompts(tokenizer, n: int) -> list[list[dict]]:
