@@ -37,15 +37,7 @@ from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     positive = cli.int_at_least(1)
     p = cli.script_parser("batch-main", "Continuous batching with chunked prefill, drawn live.")
-    p.add_argument("--batch-size", type=positive, default=5, help="decode slots")
-    p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
-    p.add_argument("--max-seq-len", type=positive, default=512, help="prompt + answer tokens")
-    p.add_argument(
-        "--dtype",
-        choices=list(cli.DTYPES),
-        default=None,
-        help="weights and activations (default: float32 on cpu, bfloat16 on gpu)",
-    )
+    cli.add_engine_arguments(p)
     p.add_argument(
         "--enable-thinking", action="store_true", help="let Qwen3 think (<think>...</think>)"
     )
@@ -217,5 +209,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.reexec_with_openblas()
-    sys.exit(startup.run(main))
+    cli.run_script(main)

@@ -172,5 +172,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.reexec_with_openblas()
-    sys.exit(startup.run(main))
+    cli.run_script(main)

@@ -45,20 +45,8 @@ from tiny_llm_support.tokenizer import check_chat_template
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    positive = cli.int_at_least(1)
-    p = argparse.ArgumentParser(
-        prog="serve",
-        description="An OpenAI-compatible server (/v1/chat/completions, /v1/completions).",
-        formatter_class=cli.DefaultsHelpFormatter,
-    )
-    p.add_argument("--model", default="tiny", help=cli.MODEL_HELP)
-    cli.add_solution_argument(p)
-    p.add_argument("--device", choices=cli.DEVICES, default="auto", help="auto: the GPU if any")
-    p.add_argument(
-        "--dtype",
-        choices=list(cli.DTYPES),
-        default=None,
-        help="weights and activations (default: float32 on cpu, bfloat16 on gpu)",
+    p = cli.script_parser(
+        "serve", "An OpenAI-compatible server (/v1/chat/completions, /v1/completions)."
     )
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (another one: set --api-key)"
@@ -76,16 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse (429, Retry-After) a request that would make more than this many wait for "
         "a decode slot (default: no limit)",
     )
-    p.add_argument("--batch-size", type=positive, default=5, help="decode slots")
-    p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
-    p.add_argument("--max-seq-len", type=positive, default=512, help="prompt + answer tokens")
+    cli.add_engine_arguments(p)
     p.add_argument(
         "--cache-dir",
         default=os.environ.get("TINY_LLM_CACHE"),
         help="where the tiny-random checkpoint is made (default: $TINY_LLM_CACHE or "
         "~/.cache/tiny-llm); downloaded models live in the Hugging Face cache ($HF_HOME)",
     )
-    cli.add_tp_arguments(p)
     settings.add_arguments(p, serving=True)
     args = p.parse_args(argv)
     if args.port > 65535:
@@ -231,5 +216,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    cli.reexec_with_openblas()
-    sys.exit(startup.run(main))
+    cli.run_script(main)

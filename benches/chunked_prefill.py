@@ -27,8 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import re
 import sys
 import tempfile
 import time
@@ -42,38 +40,14 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
+import common
 import mlx.core as mx
 from chunked_prefill_report import plot, summary_table
-from common import (
-    EXIT_REPORTED,
-    RESULTS,
-    BenchModel,
-    add_model_arguments,
-    bench_model_from_args,
-    blas_info,
-    check_outputs,
-    device_name,
-    host_info,
-    log,
-    median,
-    mlx_info,
-    openblas_preload_env,
-    plan_runs,
-    run_fresh,
-    write_json,
-)
 from trace_run import Trace, WrongOutput, make_trace, serve, serve_mlx_lm, warmup_trace
 
-from tiny_llm_support import CheckpointError, choose_device, mlx_lm_qwen3
+from tiny_llm_support import choose_device, mlx_lm_qwen3
 from tiny_llm_support.batch_recorder import StepError
-from tiny_llm_support.cli import (
-    SOLUTIONS,
-    default_dtype,
-    float_at_least,
-    int_at_least,
-    load_solution,
-    unfinished_message,
-)
+from tiny_llm_support.cli import SOLUTIONS, float_at_least, int_at_least, load_solution
 
 SCHEMA = "tiny-llm/bench-chunked-prefill/v1"
 POLICIES = ("alternate", "hybrid", "mlx-lm")  # batch_generate's policies, and mlx-lm's server
@@ -97,6 +71,11 @@ SCALAR_METRICS = (
     "recomputed_tokens",
     "refused",
     "peak_pages",
+)
+
+DESCRIPTION = (  # what --help says first
+    "Decode stalls against throughput for several chunked-prefill budgets. Each (budget, "
+    "repeat) runs in a fresh process; repeats alternate forward and reverse budget order."
 )
 
 
@@ -125,18 +104,10 @@ def child_main(spec_path: str) -> int:
     """Load the model, warm up, serve the trace once, write the run's JSON."""
     spec = json.loads(Path(spec_path).read_text())
     args = argparse.Namespace(**spec["args"])
-    try:
+    scheduler = f"{SOLUTIONS[args.solution]}.batch_generate: "
+    with common.child_errors(args.solution, (StepError, WrongOutput), scheduler):
         result = measure_one(spec, args)
-    except NotImplementedError as e:
-        print(unfinished_message(args.solution, e), file=sys.stderr)
-        return EXIT_REPORTED
-    except CheckpointError as e:  # weights the parent could not check without loading them
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_REPORTED
-    except (StepError, WrongOutput) as e:
-        print(f"error: {SOLUTIONS[args.solution]}.batch_generate: {e}", file=sys.stderr)
-        return EXIT_REPORTED
-    write_json(spec["output"], result)
+    common.write_json(spec["output"], result)
     return 0
 
 
@@ -149,8 +120,7 @@ def measure_one(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
     if trace.sha256() != spec["trace_sha256"]:
         raise RuntimeError("the trace handed to this process does not match its SHA-256")
     warm = Trace(**spec["warmup_trace"])
-    ckpt = BenchModel.from_dict(spec["model"]).load(args.dtype)
-    mx.eval(list(ckpt.weights.values()))  # mx.load is lazy: read the weights now, not in a run
+    _, ckpt = common.load_weights(spec["model"], args.dtype)
     setting = spec["setting"]
     if setting["policy"] == "mlx-lm":
         model = mlx_lm_qwen3(ckpt)
@@ -180,12 +150,9 @@ def measure_one(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
         {
             **setting,
             "batch_generate": options,
-            "repeat": spec["repeat"],
-            "order": spec["order"],
-            "sequence": spec["sequence"],
-            "pid": os.getpid(),
+            **common.planned_run(spec),
             "device": device,
-            "blas": blas_info(),
+            "blas": common.blas_info(),
             "peak_memory_bytes": mx.get_peak_memory(),
             "load_s": load_s,
             "warmup_s": warmup_s,
@@ -198,14 +165,8 @@ def measure_one(spec: dict[str, Any], args: argparse.Namespace) -> dict[str, Any
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-chunked-prefill",
-        description="Decode stalls against throughput for several chunked-prefill budgets. "
-        "Each (budget, repeat) runs in a fresh process; repeats alternate forward and "
-        "reverse budget order.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_model_arguments(p, default_model="tiny")
+    p = common.bench_parser("bench-chunked-prefill", DESCRIPTION)
+    common.add_model_arguments(p, "tiny")
     t = p.add_argument_group("trace and schedule")
     t.add_argument(
         "--prefill-steps",
@@ -257,27 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument(
         "--warmup", type=int_at_least(0), default=1, help="warm-up runs per process, unmeasured"
     )
-    r.add_argument(
-        "--repeats", type=int_at_least(1), default=2, help="processes per budget; odd ones reversed"
-    )
+    common.add_repeats_argument(r, "budget", 2)
     r.add_argument(
         "--cooldown-seconds", type=float_at_least(0), default=0.0, help="pause between runs"
     )
-    r.add_argument(
-        "--json-output",
-        type=Path,
-        default=None,
-        help="default: benches/results/chunked-prefill-<model>.json",
-    )
-    r.add_argument(
-        "--plot-output", type=Path, default=None, help="default: the JSON path with .png"
-    )
-    r.add_argument("--no-plot", action="store_true")
-    p.add_argument("--child-spec", help=argparse.SUPPRESS)
+    common.add_output_arguments(r, "chunked-prefill-<model>.json", plot=True)
+    common.add_child_spec_argument(p)
     return p
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> common.BenchModel:
     """Every check that needs no weights; errors exit through argparse before any run."""
     if args.min_input_len > args.max_input_len:
         p.error(f"--min-input-len {args.min_input_len} > --max-input-len {args.max_input_len}")
@@ -292,7 +242,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
     dupes = sorted({s for s in args.prefill_steps if args.prefill_steps.count(s) > 1})
     if dupes:
         p.error(f"--prefill-steps lists {', '.join(map(str, dupes))} more than once")
-    model = bench_model_from_args(p, args)
+    model = common.bench_model_from_args(p, args)
     longest = args.max_input_len + args.max_output_len
     limit = int(model.config["max_position_embeddings"])
     if longest > limit:
@@ -319,35 +269,26 @@ def aggregate(runs: list[dict[str, Any]], settings: Sequence[dict]) -> list[dict
     for setting in settings:
         mine = [run["metrics"] for run in runs if all(run[k] == v for k, v in setting.items())]
         row: dict[str, Any] = {**setting, "runs": len(mine)}
-        for stat, fn in (("median", median), ("min", _min), ("max", _max)):
+        for stat, fn in (
+            ("median", common.median),
+            ("min", common.least),
+            ("max", common.greatest),
+        ):
             row[stat] = {k: fn(m.get(k) for m in mine) for k in SCALAR_METRICS}
         rows.append(row)
     return rows
 
 
-def _min(values):
-    data = [v for v in values if v is not None]
-    return min(data) if data else None
-
-
-def _max(values):
-    data = [v for v in values if v is not None]
-    return max(data) if data else None
-
-
-def default_json_path(model: BenchModel) -> Path:
-    name = Path(model.name).name if model.source in ("checkpoint", "config-file") else model.name
-    if name == "config.json":
-        name = Path(model.name).parent.name or "config"
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
+def default_json_path(model: common.BenchModel) -> Path:
+    slug = common.model_slug(model)
     if model.num_layers != model.original_num_layers:
         slug += f"-{model.num_layers}l"
     if model.random_weights and model.source != "tiny":
         slug += "-random"
-    return RESULTS / f"chunked-prefill-{slug}.json"
+    return common.RESULTS / f"chunked-prefill-{slug}.json"
 
 
-def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
+def run_benchmark(args: argparse.Namespace, model: common.BenchModel) -> dict[str, Any]:
     """Launch one child process per (budget, repeat), then assemble the report."""
     started = time.time()
     trace = make_trace(
@@ -360,23 +301,16 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
     )
     warm = warmup_trace(args, model)
     sha = trace.sha256()
-    env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
+    env, preloaded = common.runs_environment(args.no_openblas)
     settings = settings_of(args.policy, args.prefill_steps, [None])
-    plan = plan_runs(settings, args.repeats)
-    log(
-        f"model {model.name} ({model.source}, {model.num_layers} layers, "
-        f"{model.parameter_count() / 1e6:.1f}M parameters, "
-        f"{'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
-    )
-    log(
+    plan = common.plan_runs(settings, args.repeats)
+    common.log_model(model, args)
+    common.log(
         f"trace seed {args.seed}: {args.num_seqs} requests, {trace.prompt_tokens} prompt tokens, "
         f"{trace.output_tokens} output tokens, sha256 {sha[:16]}..."
     )
-    log(
-        f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}"
-    )
-    log(
+    common.log_runs_blas(preloaded)
+    common.log(
         f"{len(plan)} runs: policies {args.policy} x budgets {args.prefill_steps} x "
         f"{args.repeats} repeats, "
         f"{args.warmup} warm-up run(s) each"
@@ -384,19 +318,16 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
 
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-chunked-prefill-") as tmp:
-        if model.random_weights:
-            t = time.perf_counter()
-            model.materialize(Path(tmp) / "weights", args.dtype)
-            log(f"random weights written in {time.perf_counter() - t:.1f} s")
-        common = {
-            "args": _jsonable(vars(args)),
+        common.write_random_weights(model, Path(tmp), args.dtype)
+        shared = {
+            "args": common.arguments_json(args, leave_out=("child_spec",)),
             "model": model.to_dict(),
             "trace": trace.to_dict(),
             "trace_sha256": sha,
             "warmup_trace": warm.to_dict(),
         }
         launch = lambda n, setting, repeat, order: run_child(
-            Path(tmp), n, len(plan), env, {**common, "setting": setting, "repeat": repeat, "order": order}
+            Path(tmp), n, len(plan), env, {**shared, "setting": setting, "repeat": repeat, "order": order}
         )  # fmt: skip
         peak = None
         if args.pool_fractions:  # how many pages the trace holds at its peak, pool unbounded
@@ -407,9 +338,9 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
             }
             peak = launch(-1, probe, 0, "probe")["metrics"]["peak_pages"]
             sizes = [max(1, math.ceil(f * peak)) for f in args.pool_fractions]
-            log(f"the trace holds {peak} pages at its peak: pools of {sizes} pages")
+            common.log(f"the trace holds {peak} pages at its peak: pools of {sizes} pages")
             settings = settings_of(args.policy, args.prefill_steps, sizes)
-            plan = plan_runs(settings, args.repeats)
+            plan = common.plan_runs(settings, args.repeats)
         for k, (repeat, order, setting) in enumerate(plan):
             if k and args.cooldown_seconds:
                 time.sleep(args.cooldown_seconds)
@@ -417,25 +348,19 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
         model_description = model.describe()
 
     return {
-        "schema": SCHEMA,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "arguments": _jsonable(vars(args)),
-        "host": host_info(),
-        "mlx": mlx_info(),
-        "device": runs[0]["device"] if runs else args.device,
-        "dtype": args.dtype,
-        "solution": SOLUTIONS[args.solution],
+        **common.report_start(
+            SCHEMA, started, common.arguments_json(args, leave_out=("child_spec",))
+        ),
+        **common.runs_settings(args, runs),
         "blas": {
-            "parent": blas_info(),
+            "parent": common.blas_info(),
             "runs": sorted({run["blas"]["blas"] for run in runs}),
             "preloaded_by_bench": preloaded,
             "ld_preload": env.get("LD_PRELOAD"),  # what the runs were started with
         },
-        "environment": {
-            k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD")
-        },
+        "environment": common.environment(
+            ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "LD_PRELOAD")
+        ),
         "model": model_description,
         "trace": {
             "seed": args.seed,
@@ -463,22 +388,17 @@ def run_child(
     what = f"{setting['policy']} prefill step {setting['prefill_step']}" + (
         f" pool {setting['max_pages']}" if setting["max_pages"] else ""
     )
-    run = run_fresh(
+    run = common.run_fresh(
         Path(__file__).resolve(), tmp, k, total, env, spec, f"{what}, repeat {repeat + 1}"
     )
-    elapsed = run["process_s"]
     mt = run["metrics"]
-    log(
+    gap = _ms(mt["decode_gap_ms_p95"])
+    common.log(
         f"[{k + 1}/{total}] {what}  repeat {repeat + 1} ({spec['order']})  "
-        f"{elapsed:6.1f} s in process, run {mt['wall_s']:6.2f} s  "
-        f"{mt['output_tokens_per_s']:7.2f} tok/s  "
-        f"p95 gap {_ms(mt['decode_gap_ms_p95'])}  blas {run['blas']['blas']}"
+        f"{run['process_s']:6.1f} s in process, run {mt['wall_s']:6.2f} s  "
+        f"{mt['output_tokens_per_s']:7.2f} tok/s  p95 gap {gap}  blas {run['blas']['blas']}"
     )
     return run
-
-
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items() if k != "child_spec"}
 
 
 def _ms(value: float | None) -> str:
@@ -487,23 +407,11 @@ def _ms(value: float | None) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.child_spec:
-        return child_main(args.child_spec)
+    args = common.parse_args_or_run(parser, argv, child_main)
     model = check_args(parser, args)
-    if args.dtype is None:
-        args.dtype = default_dtype(device_name(args.device))
-    if args.json_output is None:
-        args.json_output = default_json_path(model)
-    if args.plot_output is None:
-        args.plot_output = args.json_output.with_suffix(".png")
-    check_outputs(parser, args.json_output, None if args.no_plot else args.plot_output)
+    common.set_output_paths(parser, args, default_json_path(model))
     report = run_benchmark(args, model)
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output}")
-    if not args.no_plot and plot(report, args.plot_output):
-        log(f"wrote {args.plot_output}")
-    print(summary_table(report))
+    common.write_report(args, report, summary_table, plot)
     return 0
 
 

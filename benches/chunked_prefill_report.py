@@ -6,16 +6,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from common import log
+from common import log, pyplot, save_figure
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    header = (
+    lines = [  # the column heads, then a row each
         f"{'policy':>9} {'pool':>5} {'prefill':>7} {'runs':>4} {'tok/s':>8} {'req/s':>6} {'wall s':>7} "
         f"{'step p50':>9} {'gap p50':>9} {'gap p95':>9} {'gap max':>9} "
         f"{'ttft p50':>9} {'chunks':>6} {'refused':>7} {'preempt':>7}"
-    )
-    lines = [header]
+    ]
     for row in report["budgets"]:
         m = row["median"]
         pool = row.get("max_pages") or "-"
@@ -49,13 +48,8 @@ def _num(value: float | None) -> str:
 def plot(report: dict[str, Any], path: Path) -> Path | None:
     """p95 decode gap against output throughput, one labeled point per budget (median over
     runs; the bars span the runs' min..max)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+    plt = pyplot()
+    if plt is None:
         return None
     rows = [r for r in report["budgets"] if r["median"]["decode_gap_ms_p95"] is not None]
     unplotted = [  # a pool that refused every request has no point to draw: say so instead
@@ -107,8 +101,4 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     ax.grid(True, alpha=0.3)
     if unplotted:
         fig.text(0.01, 0.01, "not plotted: " + "; ".join(unplotted), fontsize=7, wrap=True)
-    fig.tight_layout(rect=(0, 0.05 if unplotted else 0, 1, 1))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, rect=(0, 0.05 if unplotted else 0, 1, 1))

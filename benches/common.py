@@ -6,29 +6,37 @@
   `BenchModel.materialize(dir)` writes a random-weight checkpoint once, so that every fresh
   benchmark process only loads it; `BenchModel.load(dtype)` builds the `Checkpoint`. Random
   weights come from tiny_llm_support.random_weights, the generator of the tiny checkpoints.
-  `add_model_arguments` and `bench_model_from_args` are the command line's "model" group;
-  `bench_model_or_exit` resolves a --model of a bench without that group.
-- The machine: `host_info()`, `mlx_info()`, `blas_info()`, `openblas_preload_env()`.
-- Numbers: `percentile`, `summarize`, `median`.
+- The command line: `bench_parser`; `add_model_arguments` and `bench_model_from_args` are the
+  "model" group; `bench_model_or_exit` resolves a --model of a bench without that group;
+  `add_output_arguments` and `set_output_paths` are --json-output (and --plot-output).
+- The machine: `host_info()`, `mlx_info()`, `blas_info()`, `openblas_preload_env()`, and the
+  BLAS the runs in fresh processes get (`runs_environment`, `log_runs_blas`, `runs_blas`).
+- Numbers: `percentile`, `summarize`, `median`, `least`, `greatest`.
+- Runs in fresh processes: `plan_runs` (the order), `run_fresh` (one run, in the parent);
+  `child_errors`, `load_weights` and `planned_run` in the run's own process.
 - Output: `check_outputs` (before the run: every path it will write can be written),
   `write_json` and `replace_file` (whole files through a rename, saying when one is replaced),
-  `log` (progress, to stderr).
+  `report_start` (the fields every report starts with), `write_report`, `pyplot` and
+  `save_figure` (plots), `columns` (text tables), `log` (progress, to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -46,35 +54,47 @@ from tiny_llm_support import (
     load_tokenizer,
     openblas_preload_env,
     random_weights,
+    reexec_with_openblas,
     resolve_model,
 )
 from tiny_llm_support.checkpoint import safetensors_files
 from tiny_llm_support.checkpoint_files import CheckpointError, check_safetensors, read_json_object
-from tiny_llm_support.cli import DEVICES, DTYPES, add_solution_argument, int_at_least
+from tiny_llm_support.cli import (
+    DEVICES,
+    DTYPES,
+    SOLUTIONS,
+    add_solution_argument,
+    default_dtype,
+    int_at_least,
+    unfinished_message,
+)
 
 RESULTS = Path(__file__).resolve().parent / "results"  # where the benchmarks write JSON
 
 __all__ = [
-    "RESULTS",
-    "EMBEDDED_CONFIGS",
-    "BenchModel",
-    "resolve_bench_model",
-    "add_model_arguments",
-    "bench_model_from_args",
-    "bench_model_or_exit",
-    "check_outputs",
-    "replace_file",
-    "host_info",
-    "mlx_info",
-    "blas_info",
-    "openblas_preload_env",
-    "percentile",
-    "summarize",
-    "median",
-    "write_json",
-    "log",
-    "canonical_json",
-]
+    # models
+    "RESULTS", "EMBEDDED_CONFIGS", "BenchModel", "resolve_bench_model",
+    # the command line
+    "bench_parser", "add_model_arguments", "bench_model_from_args", "bench_model_or_exit",
+    "check_checkpoint_arg", "add_output_arguments", "set_output_paths", "arguments_json",
+    # the machine
+    "OLD_OPENBLAS_CORES", "BLAS_VARIABLES", "host_info", "host_slug", "mlx_info", "blas_info",
+    "device_name", "package_version", "environment", "openblas_core", "process_blas",
+    "openblas_hint", "log_blas", "openblas_preload_env", "restart_with_openblas",
+    "runs_environment",
+    "runs_openblas_core", "probe_openblas_core", "log_runs_blas", "runs_blas", "memory_bytes",
+    # numbers
+    "percentile", "median", "least", "greatest", "summarize", "first_difference",
+    "agreement_summary",
+    # runs in fresh processes
+    "EXIT_REPORTED", "plan_runs", "add_repeats_argument", "add_child_spec_argument",
+    "write_random_weights", "run_fresh", "parse_args_or_run", "child_errors",
+    "load_weights", "planned_run",
+    # output
+    "log", "canonical_json", "canonical_sha256", "check_outputs", "output_problem",
+    "replace_file", "write_json", "relative_path", "model_slug", "slug", "log_model",
+    "report_start", "runs_settings", "write_report", "pyplot", "save_figure", "columns",
+]  # fmt: skip
 
 # The published config.json of the Qwen3 checkpoints the benchmarks use most, so that
 # `--model qwen3-0.6b` works offline with random weights. Token ids from 151643
@@ -159,6 +179,14 @@ class BenchModel:
         if cfg.tie_word_embeddings:
             shapes.pop("lm_head.weight")
         return sum(math.prod(s) for s in shapes.values())
+
+    def log_line(self) -> str:
+        """The model in a line of the log: name, source, layers, parameters, weights."""
+        weights = "random" if self.random_weights else "checkpoint"
+        return (
+            f"{self.name} ({self.source}, {self.num_layers} layers, "
+            f"{self.parameter_count() / 1e6:.1f}M parameters, {weights} weights)"
+        )
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -295,73 +323,6 @@ def resolve_bench_model(
     )
 
 
-def add_model_arguments(p: argparse.ArgumentParser, default_model: str) -> argparse._ArgumentGroup:
-    """The "model" group every benchmark has (a bench adds its own options to it)."""
-    m = p.add_argument_group("model")
-    m.add_argument(
-        "--model",
-        default=default_model,
-        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random weights), a "
-        "checkpoint directory, or the path of a config.json (random weights)",
-    )
-    m.add_argument(
-        "--random-weights",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="random weights with the model's shapes (no download); default: on for "
-        "shortcuts with an embedded config and config.json paths, off for checkpoints",
-    )
-    m.add_argument(
-        "--num-layers",
-        type=int_at_least(1),
-        default=None,
-        help="keep only this many layers (a smaller model; any number with random weights)",
-    )
-    m.add_argument(
-        "--dtype",
-        choices=list(DTYPES),
-        default=None,
-        help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
-    )
-    m.add_argument("--device", choices=DEVICES, default="auto")
-    add_solution_argument(m)
-    m.add_argument(
-        "--offline",
-        action="store_true",
-        help="never download: real weights must be in the Hugging Face cache",
-    )
-    m.add_argument(
-        "--no-openblas",
-        action="store_true",
-        help="on Linux, keep the mlx[cpu] wheel's bundled reference BLAS (no OpenBLAS preload)",
-    )
-    return m
-
-
-def bench_model_from_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
-    """The model group's checks and the model it names (no weights read); a bad choice exits
-    through argparse, a checkpoint that cannot be read with one line. Also checks the output
-    paths given (--json-output, --plot-output); a default one needs check_outputs of its own."""
-    if args.device == "gpu" and not gpu_available():
-        p.error("--device gpu: MLX has no Metal or CUDA device here")
-    model = bench_model_or_exit(
-        p, args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
-    )
-    check_outputs(p, args.json_output, getattr(args, "plot_output", None))
-    return model
-
-
-def bench_model_or_exit(p: argparse.ArgumentParser, model: str, *args, **kwargs) -> BenchModel:
-    """resolve_bench_model(model, ...), with a --model that names nothing usable as argparse's
-    error and a checkpoint that cannot be read as one line (exit status 1)."""
-    try:
-        return resolve_bench_model(model, *args, **kwargs)
-    except CheckpointError as e:  # not a usage error: the files are at fault
-        raise SystemExit(f"error: {e}") from None
-    except (ValueError, FileNotFoundError, RuntimeError) as e:
-        p.error(f"--model {model}: {e}")
-
-
 def _read_config(path: Path) -> dict[str, Any]:
     return read_json_object(path, "a JSON object of model settings")
 
@@ -388,7 +349,158 @@ def _ordinary_token_ids(
     return 0, high, excluded
 
 
+# --- the command line --------------------------------------------------------------------
+
+
+def bench_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: its name, what it does, and every option's default in --help."""
+    return argparse.ArgumentParser(
+        prog=prog,
+        description=description,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+
+
+def add_model_arguments(
+    p: argparse.ArgumentParser, default_model: str, default_layers: int | None = None
+) -> argparse._ArgumentGroup:
+    """The "model" group every benchmark has (a bench adds its own options to it).
+    default_layers: the --num-layers of a shortcut with an embedded config, when the bench
+    cuts such a model (bench_model_from_args applies it)."""
+    layers_help = "keep only this many layers (a smaller model; any number with random weights)"
+    if default_layers is not None:
+        layers_help += (
+            f"; default: {default_layers} for a shortcut with an embedded config, "
+            "all of them otherwise"
+        )
+    m = p.add_argument_group("model")
+    m.add_argument(
+        "--model",
+        default=default_model,
+        help="tiny, a shortcut (qwen3-0.6b, qwen3-1.7b: embedded config, random weights), a "
+        "checkpoint directory, or the path of a config.json (random weights)",
+    )
+    m.add_argument(
+        "--random-weights",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="random weights with the model's shapes (no download); default: on for "
+        "shortcuts with an embedded config and config.json paths, off for checkpoints",
+    )
+    m.add_argument("--num-layers", type=int_at_least(1), default=None, help=layers_help)
+    m.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="weights and activations (default: float32 on the CPU, bfloat16 on a GPU)",
+    )
+    m.add_argument("--device", choices=DEVICES, default="auto")
+    add_solution_argument(m)
+    m.add_argument(
+        "--offline",
+        action="store_true",
+        help="never download: real weights must be in the Hugging Face cache",
+    )
+    m.add_argument(
+        "--no-openblas",
+        action="store_true",
+        help="on Linux, keep the mlx[cpu] wheel's bundled reference BLAS (no OpenBLAS preload)",
+    )
+    return m
+
+
+def bench_model_from_args(
+    p: argparse.ArgumentParser, args: argparse.Namespace, default_layers: int | None = None
+) -> BenchModel:
+    """The model group's checks and the model it names (no weights read); a bad choice exits
+    through argparse, a checkpoint that cannot be read with one line. Fills in the defaults
+    that depend on other options (set in args): --dtype from --device, and --num-layers
+    `default_layers` for a shortcut with an embedded config. Also checks the output paths
+    given (--json-output, --plot-output); a default one needs check_outputs of its own."""
+    if args.num_layers is None and args.model.lower() in EMBEDDED_CONFIGS:
+        args.num_layers = default_layers
+    if args.device == "gpu" and not gpu_available():
+        p.error("--device gpu: MLX has no Metal or CUDA device here")
+    args.dtype = args.dtype or default_dtype(device_name(args.device))
+    model = bench_model_or_exit(
+        p, args.model, args.random_weights, args.num_layers, args.seed, args.offline or None
+    )
+    check_outputs(p, args.json_output, getattr(args, "plot_output", None))
+    return model
+
+
+def bench_model_or_exit(p: argparse.ArgumentParser, model: str, *args, **kwargs) -> BenchModel:
+    """resolve_bench_model(model, ...), with a --model that names nothing usable as argparse's
+    error and a checkpoint that cannot be read as one line (exit status 1)."""
+    try:
+        return resolve_bench_model(model, *args, **kwargs)
+    except CheckpointError as e:  # not a usage error: the files are at fault
+        raise SystemExit(f"error: {e}") from None
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        p.error(f"--model {model}: {e}")
+
+
+def check_checkpoint_arg(p: argparse.ArgumentParser, model: str) -> None:
+    """A --model that names no checkpoint is a usage error (status 2, one line with the names);
+    one whose files are wrong is an error naming the file (status 1). Both before any run."""
+    from tiny_llm_support.cli import model_path
+
+    try:
+        path = model_path(model)
+    except ValueError as e:  # its first line names the problem; the rest lists the models
+        names = ", ".join(["tiny", "tiny-random", *SHORTCUTS])
+        p.error(f"--model: {str(e).splitlines()[0]} (one of {names}, a repo id or a directory)")
+    try:
+        load_checkpoint(path)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def add_output_arguments(group: argparse._ActionsContainer, json_name: str, plot: bool = False):
+    """--json-output (default: benches/results/`json_name`, as the help says) and, for a bench
+    that draws a plot, --plot-output and --no-plot."""
+    group.add_argument(
+        "--json-output", type=Path, default=None, help=f"default: benches/results/{json_name}"
+    )
+    if plot:
+        group.add_argument(
+            "--plot-output", type=Path, default=None, help="default: the JSON with .png"
+        )
+        group.add_argument("--no-plot", action="store_true")
+
+
+def set_output_paths(p: argparse.ArgumentParser, args: argparse.Namespace, default_json: Path):
+    """Fill in the output paths not given (the JSON: default_json; the plot, for a bench with
+    --plot-output: the JSON's path with .png) and check them before the run, not after it."""
+    if args.json_output is None:
+        args.json_output = default_json
+    plot = None
+    if hasattr(args, "plot_output"):
+        if args.plot_output is None:
+            args.plot_output = args.json_output.with_suffix(".png")
+        plot = None if args.no_plot else args.plot_output
+    check_outputs(p, args.json_output, plot)
+
+
+def arguments_json(args: argparse.Namespace, leave_out: Sequence[str] = ()) -> dict[str, Any]:
+    """The parsed arguments as JSON values (paths as strings), less those in `leave_out`."""
+    return {
+        k: (str(v) if isinstance(v, Path) else v)
+        for k, v in vars(args).items()
+        if k not in leave_out
+    }
+
+
 # --- the machine -------------------------------------------------------------------------
+
+# OpenBLAS kernel sets that ran float32 matmuls several times slower than OPENBLAS_CORETYPE=
+# SkylakeX on the course's machine: the old cores' generic kernels, and Debian's 0.3.21
+# Cooperlake choice there (29 against 175 GFLOP/s for a 1024 x 1024 matmul, 2026-12-02)
+OLD_OPENBLAS_CORES = (
+    "Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai", "Cooperlake",
+)  # fmt: skip
+# the environment variables that decide which BLAS runs, and how (recorded in the reports)
+BLAS_VARIABLES = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "LD_PRELOAD")
 
 
 def host_info() -> dict[str, Any]:
@@ -404,6 +516,11 @@ def host_info() -> dict[str, Any]:
     }
 
 
+def host_slug() -> str:
+    """<os>-<arch>-<N>cpu, e.g. linux-x86_64-2cpu: this machine in a result file's name."""
+    return f"{platform.system().lower()}-{platform.machine().lower()}-{os.cpu_count()}cpu"
+
+
 def mlx_info() -> dict[str, Any]:
     """MLX's version and the default device of this process."""
     info: dict[str, Any] = {"version": mx.__version__, "default_device": str(mx.default_device())}
@@ -414,6 +531,133 @@ def mlx_info() -> dict[str, Any]:
     except ImportError:  # pragma: no cover - numpy is a dependency
         pass
     return info
+
+
+def device_name(requested: str) -> str:
+    return "gpu" if requested == "gpu" or (requested == "auto" and gpu_available()) else "cpu"
+
+
+def package_version(package: str) -> str | None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
+
+
+def environment(names: Sequence[str] = BLAS_VARIABLES) -> dict[str, str | None]:
+    """The values of these environment variables in this process (None: not set)."""
+    return {name: os.environ.get(name) for name in names}
+
+
+def openblas_core() -> str | None:
+    """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
+    OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's
+    0.3.21 chose "Prescott" on a Xeon with AVX-512, fp32 matmul about 5x slower than with
+    OPENBLAS_CORETYPE=SkylakeX)."""
+    import ctypes
+
+    try:
+        corename = ctypes.CDLL(None).openblas_get_corename
+    except (AttributeError, OSError):
+        return None
+    corename.restype = ctypes.c_char_p
+    name = corename()
+    return name.decode() if name else None
+
+
+def process_blas() -> dict[str, Any]:
+    """The BLAS this process runs on, with the kernels OpenBLAS picked (for a run's result)."""
+    return {**blas_info(), "openblas_core": openblas_core()}
+
+
+def openblas_hint(core: str | None) -> str | None:
+    """The line that tells how to get faster kernels, when `core` (openblas_core) is one of
+    OLD_OPENBLAS_CORES; None otherwise."""
+    if core not in OLD_OPENBLAS_CORES:
+        return None
+    return (
+        f"hint: OpenBLAS runs its {core} kernels, several times slower on this machine than "
+        "the CPU allows (an OpenBLAS older than the CPU does not know it, or picks these): set "
+        "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
+    )
+
+
+def log_blas() -> str | None:
+    """Print the BLAS this process runs on (and the hint when its kernels are old); return
+    openblas_core()."""
+    core = openblas_core()
+    log(f"BLAS: {blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else ""))
+    if hint := openblas_hint(core):
+        log(hint)
+    return core
+
+
+def restart_with_openblas(args: argparse.Namespace) -> None:
+    """Unless --no-openblas: on Linux, restart this process with Debian's OpenBLAS preloaded,
+    where it is installed and not loaded yet (tiny_llm_support.reexec_with_openblas, which
+    returns only where no restart is needed). The processes it starts inherit it."""
+    if not args.no_openblas:
+        reexec_with_openblas()
+
+
+def runs_environment(no_openblas: bool) -> tuple[dict[str, str], str | None]:
+    """The environment of the runs in fresh processes, and the OpenBLAS library it preloads
+    (None: nothing preloaded, or --no-openblas)."""
+    return (dict(os.environ), None) if no_openblas else openblas_preload_env()
+
+
+def runs_openblas_core(env: dict[str, str], preloaded: str | None) -> str | None:
+    """The kernels OpenBLAS picks in the runs: probed with their environment where a library
+    is preloaded, else this process's own."""
+    return probe_openblas_core(env, preloaded) if preloaded else openblas_core()
+
+
+def probe_openblas_core(env: dict[str, str], library: str | None) -> str | None:
+    """The kernels the preloaded OpenBLAS would pick in the runs (a short process of its own,
+    with the runs' environment); None where nothing is preloaded."""
+    if library is None:
+        return None
+    code = (
+        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
+        "f.restype = ctypes.c_char_p; print(f().decode())"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, library], env=env, capture_output=True, text=True
+    )
+    return done.stdout.strip() or None if done.returncode == 0 else None
+
+
+def log_runs_blas(preloaded: str | None, core: str | None = None) -> None:
+    """Say which BLAS the runs get (and, where known, its kernels, with the hint when they are
+    old ones)."""
+    blas = f"OpenBLAS preloaded: {preloaded}" if preloaded else blas_info()["blas"]
+    log(f"BLAS for the runs: {blas}")
+    if core is not None:
+        log(f"OpenBLAS kernels for the runs: {core}")
+    if hint := openblas_hint(core):
+        log(hint)
+
+
+def runs_blas(
+    runs: list[dict], env: dict[str, str], preloaded: str | None, core: str | None
+) -> dict[str, Any]:
+    """A report's "blas": this process's, the ones the runs said they ran on (process_blas),
+    the kernels probed for them, and what the runs were started with."""
+    return {
+        "parent": blas_info(),
+        "runs": sorted({run["blas"]["blas"] for run in runs}),
+        "openblas_core_probed": core,
+        "openblas_cores": sorted({c for run in runs if (c := run["blas"]["openblas_core"])}),
+        "preloaded_by_bench": preloaded,
+        "ld_preload": env.get("LD_PRELOAD"),
+    }
+
+
+def memory_bytes() -> int:
+    """The machine's physical memory."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 # --- numbers -----------------------------------------------------------------------------
@@ -437,6 +681,16 @@ def median(values: Iterable[float | None]) -> float | None:
     return statistics.median(data) if data else None
 
 
+def least(values: Iterable[float | None]) -> float | None:
+    """The smallest value, None values left out (None when nothing is left)."""
+    return min((v for v in values if v is not None), default=None)
+
+
+def greatest(values: Iterable[float | None]) -> float | None:
+    """The largest value, None values left out (None when nothing is left)."""
+    return max((v for v in values if v is not None), default=None)
+
+
 def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float | int | None]:
     """count, mean, median, p95, max (each times `scale`, e.g. 1000 for seconds -> ms)."""
     if not values:
@@ -447,6 +701,139 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float | 
         "median": percentile(values, 50) * scale,
         "p95": percentile(values, 95) * scale,
         "max": max(values) * scale,
+    }
+
+
+def first_difference(a: Sequence[Any], b: Sequence[Any], default: int | None) -> int | None:
+    """The first position where two lists differ; `default` where one is a prefix of the
+    other."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), default)
+
+
+def agreement_summary(checks: list[dict[str, Any]], rtol: float) -> dict[str, Any]:
+    """A report's "agreement": the checks (each with its relative_diff and ok), the largest
+    relative difference, and whether every check passed."""
+    return {
+        "rtol": rtol,
+        "checks": checks,
+        "largest_relative_diff": max((c["relative_diff"] for c in checks), default=0.0),
+        "ok": all(c["ok"] for c in checks),
+    }
+
+
+# --- runs in fresh processes -------------------------------------------------------------
+
+EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
+
+
+def plan_runs(items: Sequence[Any], repeats: int) -> list[tuple[int, str, Any]]:
+    """(repeat, order, item) in launch order: repeat 0 forward, 1 reverse, 2 forward... so that
+    no mode always runs first or last."""
+    plan = []
+    for r in range(repeats):
+        order = "forward" if r % 2 == 0 else "reverse"
+        for item in items if order == "forward" else list(reversed(items)):
+            plan.append((r, order, item))
+    return plan
+
+
+def add_repeats_argument(group: argparse._ActionsContainer, what: str, default: int) -> None:
+    """--repeats: fresh processes per `what` (a mode, a budget...), in plan_runs' order."""
+    group.add_argument(
+        "--repeats",
+        type=int_at_least(1),
+        default=default,
+        help=f"processes per {what}; every other repeat runs the {what}s in reverse order",
+    )
+
+
+def add_child_spec_argument(p: argparse.ArgumentParser) -> None:
+    """The hidden --child-spec FILE that run_fresh starts a run with (parse_args_or_run)."""
+    p.add_argument("--child-spec", help=argparse.SUPPRESS)
+
+
+def write_random_weights(model: BenchModel, tmp: Path, dtype: str) -> None:
+    """For a model with random weights: write them once, into tmp/weights, so that every run
+    only loads them (BenchModel.materialize); says how long it took."""
+    if model.random_weights:
+        t = time.perf_counter()
+        model.materialize(tmp / "weights", dtype)
+        log(f"random weights written in {time.perf_counter() - t:.1f} s")
+
+
+def run_fresh(script: Path, tmp: Path, k: int, total: int, env: dict, spec: dict, what: str):
+    """Run one measurement in a fresh process (`script --child-spec FILE`, which writes its
+    JSON to spec["output"]) and return that JSON with process_s, the time the whole process
+    took. A failed run stops the benchmark: quietly when the child printed its own one-line
+    error (exit status EXIT_REPORTED), else naming the run (`what`)."""
+    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
+    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
+    t = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, str(script), "--child-spec", str(spec_path)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
+    )
+    elapsed = time.perf_counter() - t
+    if proc.returncode == EXIT_REPORTED:
+        raise SystemExit(1)  # the run said what went wrong, on one line
+    if proc.returncode != 0:
+        raise SystemExit(
+            f"run {k + 1}/{total} ({what}) failed with exit status {proc.returncode}; "
+            "its error is above"
+        )
+    run = json.loads(out_path.read_text())
+    run["process_s"] = elapsed
+    return run
+
+
+def parse_args_or_run(
+    p: argparse.ArgumentParser, argv: Sequence[str] | None, child_main: Callable[[str], int]
+) -> argparse.Namespace:
+    """The command line, parsed; but in a run's own process (--child-spec FILE, from
+    run_fresh) the run itself: child_main(FILE), then exit with its status."""
+    args = p.parse_args(argv)
+    if args.child_spec:
+        raise SystemExit(child_main(args.child_spec))
+    return args
+
+
+@contextlib.contextmanager
+def child_errors(solution: str, own_errors: tuple[type[Exception], ...] = (), what: str = ""):
+    """In a run's fresh process: a solution that is not finished yet (NotImplementedError), one
+    of the bench's `own_errors` (said as "error: {what}{the error}") or a checkpoint that cannot
+    be read ends the process with one line on stderr and exit status EXIT_REPORTED, which
+    tells run_fresh in the parent that the error has been said."""
+    try:
+        yield
+    except NotImplementedError as e:
+        print(unfinished_message(solution, e), file=sys.stderr)
+        raise SystemExit(EXIT_REPORTED) from None
+    except own_errors as e:
+        print(f"error: {what}{e}", file=sys.stderr)
+        raise SystemExit(EXIT_REPORTED) from None
+    except CheckpointError as e:  # weights the parent could not check without loading them
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(EXIT_REPORTED) from None
+
+
+def load_weights(model: dict[str, Any], dtype: str) -> tuple[BenchModel, Checkpoint]:
+    """In a run's fresh process: the BenchModel of a spec (BenchModel.to_dict) and its
+    checkpoint in `dtype`, every weight read now (mx.load is lazy: not inside a timed run)."""
+    bench_model = BenchModel.from_dict(model)
+    ckpt = bench_model.load(dtype)
+    mx.eval(list(ckpt.weights.values()))
+    return bench_model, ckpt
+
+
+def planned_run(spec: dict[str, Any]) -> dict[str, Any]:
+    """Where a run stands in the plan (its repeat, order and place), and its process."""
+    return {
+        "repeat": spec["repeat"],
+        "order": spec["order"],
+        "sequence": spec["sequence"],
+        "pid": os.getpid(),
     }
 
 
@@ -461,6 +848,11 @@ def log(message: str) -> None:
 def canonical_json(data: Any) -> str:
     """Sorted keys, no spaces: the same data always gives the same bytes (for checksums)."""
     return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+
+
+def canonical_sha256(data: Any) -> str:
+    """The SHA-256 of canonical_json(data): one name for the same data everywhere."""
+    return hashlib.sha256(canonical_json(data).encode("ascii")).hexdigest()
 
 
 def check_outputs(p: argparse.ArgumentParser, *paths: str | Path | None) -> None:
@@ -513,53 +905,6 @@ def write_json(path: str | Path, data: Any) -> Path:
     return replace_file(path, json.dumps(data, indent=2, allow_nan=False) + "\n")
 
 
-if __name__ == "__main__":  # quick look at the machine: python benches/common.py
-    json.dump({"host": host_info(), "mlx": mlx_info(), "blas": blas_info()}, sys.stdout, indent=2)
-    print()
-
-
-EXIT_REPORTED = 3  # a child stopped with a one-line error it printed itself
-
-
-def run_fresh(script: Path, tmp: Path, k: int, total: int, env: dict, spec: dict, what: str):
-    """Run one measurement in a fresh process (`script --child-spec FILE`, which writes its
-    JSON to spec["output"]) and return that JSON with process_s, the time the whole process
-    took. A failed run stops the benchmark: quietly when the child printed its own one-line
-    error (exit status EXIT_REPORTED), else naming the run (`what`)."""
-    spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
-    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
-    t = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, str(script), "--child-spec", str(spec_path)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
-    )
-    elapsed = time.perf_counter() - t
-    if proc.returncode == EXIT_REPORTED:
-        raise SystemExit(1)  # the run said what went wrong, on one line
-    if proc.returncode != 0:
-        raise SystemExit(
-            f"run {k + 1}/{total} ({what}) failed with exit status {proc.returncode}; "
-            "its error is above"
-        )
-    run = json.loads(out_path.read_text())
-    run["process_s"] = elapsed
-    return run
-
-
-# OpenBLAS kernel sets that ran float32 matmuls several times slower than OPENBLAS_CORETYPE=
-# SkylakeX on the course's machine: the old cores' generic kernels, and Debian's 0.3.21
-# Cooperlake choice there (29 against 175 GFLOP/s for a 1024 x 1024 matmul, 2026-12-02)
-OLD_OPENBLAS_CORES = (
-    "Prescott", "Core2", "Penryn", "Dunnington", "Nehalem", "Katmai", "Cooperlake",
-)  # fmt: skip
-
-
-def device_name(requested: str) -> str:
-    return "gpu" if requested == "gpu" or (requested == "auto" and gpu_available()) else "cpu"
-
-
 def relative_path(path: Path) -> str:
     root = Path(__file__).resolve().parent.parent
     try:
@@ -568,93 +913,108 @@ def relative_path(path: Path) -> str:
         return str(path)
 
 
-def package_version(package: str) -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version(package)
-    except PackageNotFoundError:
-        return None
-
-
-def plan_runs(items: Sequence[Any], repeats: int) -> list[tuple[int, str, Any]]:
-    """(repeat, order, item) in launch order: repeat 0 forward, 1 reverse, 2 forward... so that
-    no mode always runs first or last."""
-    plan = []
-    for r in range(repeats):
-        order = "forward" if r % 2 == 0 else "reverse"
-        for item in items if order == "forward" else list(reversed(items)):
-            plan.append((r, order, item))
-    return plan
+def model_slug(model: BenchModel) -> str:
+    """The model in a result file's name: a shortcut's name, or a checkpoint's (or config
+    file's) folder, lower case, other characters than letters, digits and dots as -."""
+    name = Path(model.name).name if model.source in ("checkpoint", "config-file") else model.name
+    if name == "config.json":
+        name = Path(model.name).parent.name or "config"
+    return slug(name) or "model"
 
 
-def openblas_hint(core: str | None) -> str | None:
-    """The line that tells how to get faster kernels, when `core` (openblas_core) is one of
-    OLD_OPENBLAS_CORES; None otherwise."""
-    if core not in OLD_OPENBLAS_CORES:
-        return None
-    return (
-        f"hint: OpenBLAS runs its {core} kernels, several times slower on this machine than "
-        "the CPU allows (an OpenBLAS older than the CPU does not know it, or picks these): set "
-        "OPENBLAS_CORETYPE=SkylakeX (AVX-512) or Haswell (AVX2) for this command"
+def slug(name: str) -> str:
+    """`name` in a file name: lower case, every run of other characters than letters, digits
+    and dots one -."""
+    return re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower()
+
+
+def log_model(model: BenchModel, args: argparse.Namespace, more: str = "") -> None:
+    """Say which model runs (log_line), in which dtype, on which device, with which solution
+    (args.dtype, args.device, args.solution), then `more`."""
+    log(
+        f"model {model.log_line()}, {args.dtype} on {device_name(args.device)}, solution "
+        f"{SOLUTIONS[args.solution]}{more}"
     )
 
 
-def check_checkpoint_arg(p: argparse.ArgumentParser, model: str) -> None:
-    """A --model that names no checkpoint is a usage error (status 2, one line with the names);
-    one whose files are wrong is an error naming the file (status 1). Both before any run."""
-    from tiny_llm_support import SHORTCUTS, CheckpointError, load_checkpoint
-    from tiny_llm_support.cli import model_path
+def report_start(
+    schema: str, started: float, arguments: dict[str, Any], argv: Sequence[str] | None = None
+) -> dict[str, Any]:
+    """The fields every report starts with: its schema, when it started and how long it took,
+    the command (argv: its arguments, when not sys.argv's) and its parsed arguments, the host
+    and MLX."""
+    return {
+        "schema": schema,
+        "created_unix": started,
+        "duration_s": time.time() - started,
+        "command": [Path(sys.argv[0]).name, *(sys.argv[1:] if argv is None else argv)],
+        "arguments": arguments,
+        "host": host_info(),
+        "mlx": mlx_info(),
+    }
 
+
+def runs_settings(args: argparse.Namespace, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """A report's device (as the first run said, or as asked where nothing ran), dtype and
+    solution."""
+    return {
+        "device": runs[0]["device"] if runs else args.device,
+        "dtype": args.dtype,
+        "solution": SOLUTIONS[args.solution],
+    }
+
+
+def write_report(
+    args: argparse.Namespace,
+    report: dict[str, Any],
+    table: Callable[[dict[str, Any]], str],
+    plot: Callable[[dict[str, Any], Path], Path | None] | None = None,
+    seconds: float | None = None,
+) -> None:
+    """The end of a benchmark: the report as JSON in --json-output and, given a `plot` function
+    and no --no-plot, its plot in --plot-output, with a line on stderr for each file written
+    (and the run's `seconds`, if given); then table(report) on stdout."""
+    write_json(args.json_output, report)
+    log(f"wrote {args.json_output}" + ("" if seconds is None else f" ({seconds:.0f} s)"))
+    if plot is not None and not args.no_plot and plot(report, args.plot_output):
+        log(f"wrote {args.plot_output}")
+    print(table(report))
+
+
+def pyplot():
+    """matplotlib.pyplot drawing into files (the Agg backend), or None with a line saying that
+    matplotlib is not installed."""
     try:
-        path = model_path(model)
-    except ValueError as e:  # its first line names the problem; the rest lists the models
-        names = ", ".join(["tiny", "tiny-random", *SHORTCUTS])
-        p.error(f"--model: {str(e).splitlines()[0]} (one of {names}, a repo id or a directory)")
-    try:
-        load_checkpoint(path)
-    except CheckpointError as e:
-        raise SystemExit(f"error: {e}") from None
+        import matplotlib
 
-
-def log_blas() -> str | None:
-    """Print the BLAS this process runs on (and the hint when its kernels are old); return
-    openblas_core()."""
-    from tiny_llm_support import blas_info
-
-    core = openblas_core()
-    log(f"BLAS: {blas_info()['blas']}" + (f", OpenBLAS kernels {core}" if core else ""))
-    if hint := openblas_hint(core):
-        log(hint)
-    return core
-
-
-def openblas_core() -> str | None:
-    """The kernels OpenBLAS picked for this CPU, where this process runs on OpenBLAS. An
-    OpenBLAS older than the CPU may not know it and fall back to old kernels (seen: Debian's
-    0.3.21 chose "Prescott" on a Xeon with AVX-512, fp32 matmul about 5x slower than with
-    OPENBLAS_CORETYPE=SkylakeX)."""
-    import ctypes
-
-    try:
-        corename = ctypes.CDLL(None).openblas_get_corename
-    except (AttributeError, OSError):
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
         return None
-    corename.restype = ctypes.c_char_p
-    name = corename()
-    return name.decode() if name else None
+    return plt
 
 
-def probe_openblas_core(env: dict[str, str], library: str | None) -> str | None:
-    """The kernels the preloaded OpenBLAS would pick in the runs (a short process of its own,
-    with the runs' environment); None where nothing is preloaded."""
-    if library is None:
-        return None
-    code = (
-        "import ctypes, sys; f = ctypes.CDLL(sys.argv[1]).openblas_get_corename; "
-        "f.restype = ctypes.c_char_p; print(f().decode())"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, library], env=env, capture_output=True, text=True
-    )
-    return done.stdout.strip() or None if done.returncode == 0 else None
+def save_figure(fig, path: Path, title: str | None = None, rect=(0, 0, 1, 1)) -> Path:
+    """Finish a figure: its `title` (if any) above the panels, laid out within `rect` (of the
+    figure: left, bottom, right, top), written to `path` (its folders made), closed."""
+    import matplotlib.pyplot as plt
+
+    if title is not None:
+        fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=rect)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def columns(head: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
+    """A text table: the head and every row, each cell right-aligned in its column's width."""
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [head, *rows]]
+
+
+if __name__ == "__main__":  # quick look at the machine: python benches/common.py
+    json.dump({"host": host_info(), "mlx": mlx_info(), "blas": blas_info()}, sys.stdout, indent=2)
+    print()

@@ -47,22 +47,21 @@ import mlx.core as mx
 from common import (
     RESULTS,
     BenchModel,
+    arguments_json,
     bench_model_or_exit,
+    bench_parser,
     check_outputs,
     host_info,
     log,
     log_blas,
     mlx_info,
+    pyplot,
+    restart_with_openblas,
+    save_figure,
     write_json,
 )
 
-from tiny_llm_support import (
-    CheckpointError,
-    blas_info,
-    choose_device,
-    mlx_lm_qwen3,
-    reexec_with_openblas,
-)
+from tiny_llm_support import CheckpointError, blas_info, choose_device, mlx_lm_qwen3
 from tiny_llm_support.cli import DTYPES, int_at_least
 
 SCHEMA = "tiny-llm/bench-flash-attention/v1"
@@ -376,13 +375,8 @@ def goals(attention: list[dict], decode: list[dict]) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+    plt = pyplot()
+    if plt is None:
         return None
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     attention = report["attention"]
@@ -414,19 +408,11 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     right.set_ylabel("decode step (ms, median)")
     right.set_title(f"decode step, {report['decode_model']['num_layers']} layers")
     right.legend(fontsize=7)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-flash-attention",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
+    p = bench_parser("bench-flash-attention", __doc__.split("\n\n")[0])
     p.add_argument("--solution", choices=("ref", "tiny_llm"), default="ref")
     p.add_argument("--device", choices=("auto", "cpu", "gpu"), default="cpu")
     p.add_argument(
@@ -465,8 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.no_openblas:
-        reexec_with_openblas()  # returns only where no restart is needed
+    restart_with_openblas(args)
     bench_model = bench_model_or_exit(parser, args.model, num_layers=args.num_layers)
     png = args.plot_output or args.json_output.with_suffix(".png")
     check_outputs(parser, args.json_output, None if args.no_plot else png)
@@ -492,7 +477,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mlx": mlx_info(),
         "blas": blas_info(),
         "device": device,
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": arguments_json(args),
         "attention_shape": {"H_q": H_Q, "H_kv": H_KV, "head_dim": HEAD_DIM, "batch": 1},
         "decode_model": decode_model,
         "attention": attention,

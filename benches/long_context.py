@@ -57,8 +57,6 @@ import argparse
 import importlib
 import json
 import os
-import platform
-import re
 import subprocess
 import sys
 import tempfile
@@ -73,39 +71,13 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
+import common
 import mlx.core as mx
 import numpy as np
-from common import (
-    EMBEDDED_CONFIGS,
-    EXIT_REPORTED,
-    RESULTS,
-    BenchModel,
-    add_model_arguments,
-    bench_model_from_args,
-    blas_info,
-    check_outputs,
-    device_name,
-    host_info,
-    log,
-    log_blas,
-    median,
-    mlx_info,
-    openblas_core,
-    run_fresh,
-    write_json,
-)
 
 from tiny_llm_ref.kv_cache import TinyKvFullCache
-from tiny_llm_support import Checkpoint, CheckpointError, Qwen3Config, choose_device
-from tiny_llm_support.cli import (
-    DTYPES,
-    SOLUTIONS,
-    default_dtype,
-    int_at_least,
-    load_solution,
-    reexec_with_openblas,
-    unfinished_message,
-)
+from tiny_llm_support import Checkpoint, Qwen3Config, choose_device
+from tiny_llm_support.cli import DTYPES, SOLUTIONS, int_at_least, load_solution
 from tiny_llm_support.launch import launch
 
 SCHEMA = "tiny-llm/bench-long-context/v1"
@@ -163,6 +135,11 @@ NOTES = {
     "behind the previous block's attention.",
 }
 
+DESCRIPTION = (  # what --help says first
+    "Long context (Week 4 Day 7): a sliding window that gives pages back against full "
+    "attention, and a ring prefill on 1 and 2 ranks. Every run is a fresh process."
+)
+
 
 # --- the model and the prompt ------------------------------------------------------------------
 
@@ -180,21 +157,18 @@ def windowed(ckpt: Checkpoint, config: dict[str, Any], window: int) -> Checkpoin
     return Checkpoint(ckpt.path, windowed_config, ckpt.weights, ckpt.tokenizer)
 
 
-def token_ids(model: BenchModel, n: int, seed: int) -> list[int]:
+def token_ids(model: common.BenchModel, n: int, seed: int) -> list[int]:
     """n ordinary token ids, uniform (the same list for the same n and seed)."""
     low, high = model.token_ids
     allowed = np.setdiff1d(np.arange(low, high), model.excluded_ids)
     return np.random.RandomState(seed).choice(allowed, n).tolist()
 
 
-def load_model(spec: dict[str, Any]) -> tuple[BenchModel, Checkpoint]:
-    """The spec's model, weights read now (mx.load is lazy: not inside a timed run)."""
+def load_model(spec: dict[str, Any]) -> tuple[common.BenchModel, Checkpoint]:
+    """The spec's model on the spec's device, weights read now."""
     s = spec["settings"]
     choose_device(s["device"])
-    bench_model = BenchModel.from_dict(spec["model"])
-    ckpt = bench_model.load(s["dtype"])
-    mx.eval(list(ckpt.weights.values()))
-    return bench_model, ckpt
+    return common.load_weights(spec["model"], s["dtype"])
 
 
 def kv_bytes_per_token(config: Qwen3Config, dtype_size: int) -> int:
@@ -300,13 +274,13 @@ def window_run(spec: dict[str, Any]) -> dict[str, Any]:
         "prompt_len": length,
         "sequence": spec["sequence"],
         "pid": os.getpid(),
-        "blas": {**blas_info(), "openblas_core": openblas_core()},
+        "blas": common.process_blas(),
         "load_s": load_s,
         "chunk_s": chunk_s,
         "prefill_s": sum(chunk_s),
         "last_chunk_s": chunk_s[-1],
         "decode_step_s": step_s,
-        "decode_ms": median(step_s) * 1000,
+        "decode_ms": common.median(step_s) * 1000,
         "weights_bytes": weights_bytes,
         "peak_memory_bytes": mx.get_peak_memory(),
         **kv_memory(ckpt.config, pools, caches, dtype_size, s["page_size"]),
@@ -364,7 +338,7 @@ def ring_run(spec: dict[str, Any]) -> dict[str, Any]:
         "rank": group.rank(),
         "prompt_len": length,
         "pid": os.getpid(),
-        "blas": {**blas_info(), "openblas_core": openblas_core()},
+        "blas": common.process_blas(),
         "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS"),
         "load_s": load_s,
         "prefill_s": prefill_s,
@@ -374,21 +348,15 @@ def ring_run(spec: dict[str, Any]) -> dict[str, Any]:
         "weights_bytes": weights_bytes,
         "peak_memory_bytes": peak,
         "ring_step_s": step_s,
-        "ring_step_s_median": median(step_s) if step_s else None,
+        "ring_step_s_median": common.median(step_s) if step_s else None,
     }
 
 
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    try:
+    with common.child_errors(spec["settings"]["solution"]):
         result = window_run(spec) if spec["part"] == "window" else ring_run(spec)
-    except NotImplementedError as e:
-        print(unfinished_message(spec["settings"]["solution"], e), file=sys.stderr)
-        return EXIT_REPORTED
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_REPORTED
-    write_json(spec["output"].format(rank=result.get("rank", 0)), result)
+    common.write_json(spec["output"].format(rank=result.get("rank", 0)), result)
     return 0
 
 
@@ -429,10 +397,6 @@ def ring_rank_estimate(config: Qwen3Config, part: int, dtype_size: int, weights:
     return weights + attention + part * config.vocab_size * dtype_size
 
 
-def memory_bytes() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 # --- the parent: plan and launch ---------------------------------------------------------------
 
 
@@ -454,11 +418,11 @@ def ring_plan(lengths: list[int], ranks: list[int]) -> list[tuple[int, int]]:
 
 def run_window(tmp: Path, k: int, total: int, spec: dict) -> dict[str, Any]:
     what = f"window part, {spec['prompt_len']} tokens, {spec['variant']}"
-    log(f"[{k + 1}/{total}] {what} ...")
+    common.log(f"[{k + 1}/{total}] {what} ...")
     spec = {**spec, "logits": str(tmp / f"logits-{k}.npz")}
-    run = run_fresh(Path(__file__).resolve(), tmp, k, total, dict(os.environ), spec, what)
+    run = common.run_fresh(Path(__file__).resolve(), tmp, k, total, dict(os.environ), spec, what)
     run["logits"] = spec["logits"]
-    log(
+    common.log(
         f"[{k + 1}/{total}] {what}: prefill {run['prefill_s']:.1f} s "
         f"({spec['prompt_len'] / run['prefill_s']:.0f} tokens/s), last chunk "
         f"{run['last_chunk_s']:.2f} s, decode {run['decode_ms']:.0f} ms/token, "
@@ -476,7 +440,7 @@ def run_ring(tmp: Path, k: int, total: int, spec: dict) -> list[dict[str, Any]]:
     """One ring prefill in fresh processes (one plain process for 1 rank, mlx.launch for more):
     every rank's result, in rank order."""
     ranks, what = spec["ranks"], f"ring part, {spec['prompt_len']} tokens, {spec['ranks']} rank(s)"
-    log(f"[{k + 1}/{total}] {what} ...")
+    common.log(f"[{k + 1}/{total}] {what} ...")
     spec = {**spec, "output": str(tmp / f"result-{k}-rank{{rank}}.json")}
     spec["logits"] = str(tmp / f"logits-{k}.npz")
     spec_path = tmp / f"run-{k}.json"
@@ -497,7 +461,7 @@ def run_ring(tmp: Path, k: int, total: int, spec: dict) -> list[dict[str, Any]]:
     step = runs[0]["ring_step_s_median"]
     kv = ", ".join(mib(r["kv_bytes"]) for r in runs)
     peak = ", ".join(mib(r["peak_memory_bytes"]) for r in runs)
-    log(
+    common.log(
         f"[{k + 1}/{total}] {what}: prefill {max(r['prefill_s'] for r in runs):.1f} s (slowest "
         f"rank), KV per rank {kv} MiB, peak per rank {peak} MiB"
         + (f", ring step {step * 1000:.1f} ms" if step else "")
@@ -547,7 +511,7 @@ def agreement(window_runs: list[dict], ring_rows: list[dict]) -> list[dict[str, 
     return checks
 
 
-def window_rows(runs: list[dict], model: BenchModel, args) -> list[dict[str, Any]]:
+def window_rows(runs: list[dict], model: common.BenchModel, args) -> list[dict[str, Any]]:
     """The runs, with their speed and the dense cache they compare to; logits paths dropped."""
     per_token = kv_bytes_per_token(model.qwen3_config, DTYPES[args.dtype].size)
     rows = []
@@ -560,17 +524,17 @@ def window_rows(runs: list[dict], model: BenchModel, args) -> list[dict[str, Any
     return rows
 
 
-def ring_row(model: BenchModel, args: argparse.Namespace, length: int, ranks: int) -> dict:
+def ring_row(model: common.BenchModel, args: argparse.Namespace, length: int, ranks: int) -> dict:
     """A planned ring run: its arithmetic, its estimated peak per rank, and why it is skipped
     (None: it runs)."""
     config, size = model.qwen3_config, DTYPES[args.dtype].size
     weights = model.parameter_count() * size
     estimate = ring_rank_estimate(config, max(part_sizes(length, ranks)), size, weights)
     skipped = None
-    if ranks * estimate > MEMORY_SHARE * memory_bytes():
+    if ranks * estimate > MEMORY_SHARE * common.memory_bytes():
         skipped = (
             f"{ranks} x {estimate / 1e9:.1f} GB estimated, more than {MEMORY_SHARE:.0%} of "
-            f"this machine's {memory_bytes() / 1e9:.1f} GB"
+            f"this machine's {common.memory_bytes() / 1e9:.1f} GB"
         )
     return {
         "prompt_len": length,
@@ -596,7 +560,7 @@ def add_measured(row: dict[str, Any], runs: list[dict[str, Any]], layers: int) -
     row["ring_steps_share_of_prefill"] = step * steps / row["prefill_s"] if step else None
 
 
-def run_parts(args, model: BenchModel, tmp: Path, settings: dict) -> tuple[list, list, list]:
+def run_parts(args, model: common.BenchModel, tmp: Path, settings: dict) -> tuple[list, list, list]:
     """Every run of both parts in fresh processes: the window runs, the ring rows, and the
     agreement checks (read from the logits the runs left in tmp)."""
     check_len = args.prompt_lens[0]
@@ -605,19 +569,19 @@ def run_parts(args, model: BenchModel, tmp: Path, settings: dict) -> tuple[list,
     if "ring" in args.parts:
         rings = [ring_row(model, args, n, r) for n, r in ring_plan(args.prompt_lens, args.ranks)]
     total = len(plan) + sum(not row["skipped"] for row in rings)
-    log(f"{total} runs, each in a fresh process")
-    common = {"model": model.to_dict(), "settings": settings}
+    common.log(f"{total} runs, each in a fresh process")
+    shared = {"model": model.to_dict(), "settings": settings}
     window_runs = []
     for k, (length, variant) in enumerate(plan):
-        spec = {**common, "part": "window", "variant": variant, "prompt_len": length}
+        spec = {**shared, "part": "window", "variant": variant, "prompt_len": length}
         window_runs.append(run_window(tmp, k, total, spec))
     k = len(plan)
     for row in rings:
         if row["skipped"]:
-            log(f"ring part, {row['prompt_len']} tokens, {row['ranks']} rank(s): skipped, "
+            common.log(f"ring part, {row['prompt_len']} tokens, {row['ranks']} rank(s): skipped, "
                 f"{row['skipped']}")  # fmt: skip
             continue
-        spec = {**common, "part": "ring", "ranks": row["ranks"], "prompt_len": row["prompt_len"]}
+        spec = {**shared, "part": "ring", "ranks": row["ranks"], "prompt_len": row["prompt_len"]}
         add_measured(row, run_ring(tmp, k, total, {**spec, "sequence": k}), model.num_layers)
         k += 1
     checks = agreement(window_runs, rings)
@@ -626,15 +590,10 @@ def run_parts(args, model: BenchModel, tmp: Path, settings: dict) -> tuple[list,
     return window_runs, rings, checks
 
 
-def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
+def run_benchmark(args: argparse.Namespace, model: common.BenchModel) -> dict[str, Any]:
     started = time.time()
-    device = device_name(args.device)
-    log(
-        f"model {model.name} ({model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
-        f"parameters, {'random' if model.random_weights else 'checkpoint'} weights), "
-        f"{args.dtype} on {device}, solution {SOLUTIONS[args.solution]}"
-    )
-    core = log_blas()
+    common.log_model(model, args)
+    core = common.log_blas()
     settings = {
         "prompt_lens": args.prompt_lens,
         "window": args.window,
@@ -650,42 +609,25 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
         "solution": args.solution,
     }
     with tempfile.TemporaryDirectory(prefix="bench-long-context-") as tmp:
-        if model.random_weights:
-            t = time.perf_counter()
-            model.materialize(Path(tmp) / "weights", args.dtype)
-            log(f"random weights written in {time.perf_counter() - t:.1f} s")
+        common.write_random_weights(model, Path(tmp), args.dtype)
         window_runs, rings, checks = run_parts(args, model, Path(tmp), settings)
         description = model.describe()
     blas_seen = {r["blas"]["blas"] for r in window_runs}
     blas_seen |= {r["blas"]["blas"] for row in rings for r in row.get("by_rank", [])}
     return {
-        "schema": SCHEMA,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": host_info(),
-        "memory_bytes": memory_bytes(),
-        "mlx": mlx_info(),
-        "device": device,
+        **common.report_start(SCHEMA, started, common.arguments_json(args)),
+        "memory_bytes": common.memory_bytes(),
+        "device": common.device_name(args.device),
         "dtype": args.dtype,
         "solution": SOLUTIONS[args.solution],
-        "blas": {"parent": blas_info(), "openblas_core": core, "runs": sorted(blas_seen)},
-        "environment": {
-            k: os.environ.get(k)
-            for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "LD_PRELOAD")
-        },
+        "blas": {"parent": common.blas_info(), "openblas_core": core, "runs": sorted(blas_seen)},
+        "environment": common.environment(),
         "model": description,
         "settings": settings,
         "definitions": DEFINITIONS,
         "window": {"rows": window_rows(window_runs, model, args)},
         "ring": {"rows": rings},
-        "agreement": {
-            "rtol": AGREEMENT_RTOL,
-            "checks": checks,
-            "largest_relative_diff": max((c["relative_diff"] for c in checks), default=0.0),
-            "ok": all(c["ok"] for c in checks),
-        },
+        "agreement": common.agreement_summary(checks, AGREEMENT_RTOL),
         "notes": NOTES,
     }
 
@@ -695,11 +637,6 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]
 
 def mib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**20:.1f}"
-
-
-def columns(head: Sequence[str], rows: list[Sequence[str]]) -> list[str]:
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    return ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [head, *rows]]
 
 
 def window_table(report: dict[str, Any]) -> list[str]:
@@ -720,7 +657,7 @@ def window_table(report: dict[str, Any]) -> list[str]:
         f"sliding window: chunks of {s['chunk']}, pages of {s['page_size']} tokens, "
         f"{s['decode_steps']} decode steps (banded mask: the dense explicit-mask check)"
     )
-    return [title, *columns(head, rows)]
+    return [title, *common.columns(head, rows)]
 
 
 def ring_table(report: dict[str, Any]) -> list[str]:
@@ -744,7 +681,7 @@ def ring_table(report: dict[str, Any]) -> list[str]:
              mib(a["bytes_sent_per_rank_per_layer"]), flops, step, link)
         )  # fmt: skip
     lines = ["ring prefill (prefill s: the slowest rank; sent: per rank, per layer, all steps)"]
-    lines += columns(head, rows)
+    lines += common.columns(head, rows)
     lines += [f"skipped {r['prompt_len']} x {r['ranks']}: {r['skipped']}"
               for r in report["ring"]["rows"] if r["skipped"]]  # fmt: skip
     return lines
@@ -774,20 +711,8 @@ def summary_table(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-long-context",
-        description="Long context (Week 4 Day 7): a sliding window that gives pages back "
-        "against full attention, and a ring prefill on 1 and 2 ranks. Every run is a fresh "
-        "process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    m = add_model_arguments(p, default_model="qwen3-0.6b")
-    for action in m._group_actions:
-        if action.dest == "num_layers":
-            action.help += (
-                f"; default: {DEFAULT_LAYERS} for a shortcut with an embedded config, "
-                "all of them otherwise"
-            )
+    p = common.bench_parser("bench-long-context", DESCRIPTION)
+    common.add_model_arguments(p, "qwen3-0.6b", default_layers=DEFAULT_LAYERS)
     r = p.add_argument_group("runs")
     r.add_argument("--parts", nargs="+", choices=("window", "ring"), default=["window", "ring"])
     r.add_argument(
@@ -796,38 +721,28 @@ def build_parser() -> argparse.ArgumentParser:
         "variant), and the ring part at 16384 does not fit in 24 GB: --parts window "
         "--prompt-lens 16384",
     )  # fmt: skip
-    r.add_argument(
-        "--window", type=int_at_least(1), default=1024,
-        help="the sliding window of every layer in the window variant (positions)",
-    )  # fmt: skip
-    r.add_argument("--chunk", type=int_at_least(1), default=512, help="prefill chunk (tokens)")
-    r.add_argument("--page-size", type=int_at_least(1), default=16, help="tokens per page")
-    r.add_argument(
-        "--decode-steps", type=int_at_least(1), default=16,
-        help="timed decode steps after the prefill (one untimed step first)",
-    )  # fmt: skip
+    for flag, default, what in (
+        ("--window", 1024, "the sliding window of every layer in the window variant (positions)"),
+        ("--chunk", 512, "prefill chunk (tokens)"),
+        ("--page-size", 16, "tokens per page"),
+        ("--decode-steps", 16, "timed decode steps after the prefill (one untimed step first)"),
+    ):
+        r.add_argument(flag, type=int_at_least(1), default=default, help=what)
     r.add_argument(
         "--ranks", type=int_at_least(1), nargs="+", default=[1, 2],
         help="ring part: rank counts (1: a plain process; more: mlx.launch on this machine)",
     )  # fmt: skip
     r.add_argument("--seed", type=int_at_least(0), default=0, help="random weights, prompt ids")
-    r.add_argument(
-        "--json-output", type=Path, default=None,
-        help="default: benches/results/long-context-<model>-<N>layers-<os>-<arch>-<N>cpu.json",
-    )  # fmt: skip
-    p.add_argument("--child-spec", help=argparse.SUPPRESS)
+    common.add_output_arguments(r, "long-context-<model>-<N>layers-<os>-<arch>-<N>cpu.json")
+    common.add_child_spec_argument(p)
     return p
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> common.BenchModel:
     """Every check that needs no weights; errors exit through argparse before any run."""
-    if args.num_layers is None and args.model.lower() in EMBEDDED_CONFIGS:
-        args.num_layers = DEFAULT_LAYERS
     args.prompt_lens, args.ranks = sorted(set(args.prompt_lens)), sorted(set(args.ranks))
     args.parts = list(dict.fromkeys(args.parts))
-    model = bench_model_from_args(p, args)
-    if args.dtype is None:
-        args.dtype = default_dtype(device_name(args.device))
+    model = common.bench_model_from_args(p, args, default_layers=DEFAULT_LAYERS)
     if model.qwen3_config.layer_windows:
         p.error(f"--model {args.model} has sliding windows of its own: use a model without")
     longest = args.prompt_lens[-1] + args.decode_steps + 1
@@ -840,38 +755,29 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
     return model
 
 
-def default_json_path(model: BenchModel) -> Path:
-    name = Path(model.name).name if model.source in ("checkpoint", "config-file") else model.name
-    if name == "config.json":
-        name = Path(model.name).parent.name or "config"
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
-    host = f"{platform.system().lower()}-{platform.machine().lower()}-{os.cpu_count()}cpu"
-    return RESULTS / f"long-context-{slug}-{model.num_layers}layers-{host}.json"
+def default_json_path(model: common.BenchModel) -> Path:
+    return (
+        common.RESULTS
+        / f"long-context-{common.model_slug(model)}-{model.num_layers}layers-{common.host_slug()}.json"
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.child_spec:
-        return child_main(args.child_spec)
+    args = common.parse_args_or_run(parser, argv, child_main)
     model = check_args(parser, args)
-    if not args.no_openblas:
-        reexec_with_openblas()  # returns only where no restart is needed; the runs inherit it
-    if args.json_output is None:
-        args.json_output = default_json_path(model)
-    check_outputs(parser, args.json_output)  # before the run, not after it
+    common.restart_with_openblas(args)
+    common.set_output_paths(parser, args, default_json_path(model))
     report = run_benchmark(args, model)
     bad = [c for c in report["agreement"]["checks"] if not c["ok"]]
     for c in bad:
-        log(
+        common.log(
             f"error: {c['what']} at {c['prompt_len']} tokens: relative difference "
             f"{c['relative_diff']:.2e} > {AGREEMENT_RTOL} (max |diff| {c['max_abs_diff']:.3g})"
         )
     if bad:
         return 1
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output} ({report['duration_s']:.0f} s)")
-    print(summary_table(report))
+    common.write_report(args, report, summary_table, seconds=report["duration_s"])
     return 0
 
 

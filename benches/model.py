@@ -54,7 +54,6 @@ import datetime
 import os
 import platform
 import random
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -70,13 +69,18 @@ from ceilings import measure_ceilings
 from common import (
     RESULTS,
     add_model_arguments,
+    add_output_arguments,
+    arguments_json,
     bench_model_from_args,
+    bench_parser,
     blas_info,
-    check_outputs,
     host_info,
     log,
     mlx_info,
-    write_json,
+    restart_with_openblas,
+    set_output_paths,
+    slug,
+    write_report,
 )
 from model_ablation import ablate_models, ablate_ops
 from model_harness import Workload, check_agreement, measure_decode, measure_prefill
@@ -84,28 +88,19 @@ from model_impls import MLX_LM, MlxLmImpl, RefImpl
 from model_report import markdown_table
 
 from tiny_llm_support import choose_device
-from tiny_llm_support.cli import (
-    DTYPES,
-    SOLUTIONS,
-    default_dtype,
-    int_at_least,
-    load_solution,
-    reexec_with_openblas,
-    unfinished_message,
-)
+from tiny_llm_support.cli import DTYPES, SOLUTIONS, int_at_least, load_solution, unfinished_message
 
 # --- command line ------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     pos, nonneg = int_at_least(1), int_at_least(0)
-    p = argparse.ArgumentParser(
-        prog="bench-model",
-        description="Prefill and decode speed of the course's Qwen3 against mlx-lm's on the "
-        "same weights, and both against this machine's matmul and bandwidth limits.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = bench_parser(
+        "bench-model",
+        "Prefill and decode speed of the course's Qwen3 against mlx-lm's on the same weights, "
+        "and both against this machine's matmul and bandwidth limits.",
     )
-    m = add_model_arguments(p, default_model="qwen3-0.6b")
+    m = add_model_arguments(p, "qwen3-0.6b")
     m.add_argument(
         "--batch-cache",
         choices=("dense", "batching", "ragged"),
@@ -178,18 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--copy-mb", type=pos, default=256, help="MB copied for the bandwidth measurement"
     )
     c.add_argument("--ceiling-repeats", type=pos, default=3)
-    o = p.add_argument_group("output")
-    o.add_argument(
-        "--json-output",
-        type=Path,
-        default=None,
-        help="default: benches/results/bench-model-<host>-<date>-<time>.json",
-    )
+    add_output_arguments(p.add_argument_group("output"), "bench-model-<host>-<date>-<time>.json")
     return p
 
 
 def default_json_path() -> Path:
-    host = re.sub(r"[^A-Za-z0-9.]+", "-", platform.node()).strip("-").lower() or "host"
+    host = slug(platform.node()) or "host"
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
     return RESULTS / f"bench-model-{host}-{stamp}.json"
 
@@ -197,8 +186,7 @@ def default_json_path() -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not args.no_openblas:
-        reexec_with_openblas()  # returns only where no restart is needed
+    restart_with_openblas(args)
     started = time.time()
     if args.quick:
         args.prefill_lens = [n for n in args.prefill_lens if n <= 512] or [128]
@@ -209,8 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ImportError:
         parser.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
     model = bench_model_from_args(parser, args)
-    args.json_output = args.json_output or default_json_path()
-    check_outputs(parser, args.json_output)
+    set_output_paths(parser, args, default_json_path())
     contexts = args.decode_contexts or ([1024] if args.ablate else [])
     longest = max(
         [
@@ -227,7 +214,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     device = choose_device(args.device)
-    args.dtype = args.dtype or default_dtype(device)
     dtype = DTYPES[args.dtype]
     blas = blas_info()
     unused = blas["openblas_path"] and "openblas" not in blas["blas"]
@@ -319,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         }[args.batch_cache],
         "mlx_lm_cache": "make_prompt_cache: KVCache, preallocated 256 positions at a time",
         "model": model.describe(),
-        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "settings": arguments_json(args),
         "ceilings": ceilings,
         "agreement": agreement,
         "prefill": prefill,
@@ -336,9 +322,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ],
     }
     report["runtime_s"] = time.time() - started
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output} (total {report['runtime_s']:.0f} s)")
-    print(markdown_table(report))
+    write_report(args, report, markdown_table, seconds=report["runtime_s"])
     return 0
 
 

@@ -53,8 +53,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -72,14 +70,22 @@ import numpy as np
 from ceilings import measure_ceilings
 from common import (
     RESULTS,
-    check_outputs,
-    host_info,
+    add_output_arguments,
+    agreement_summary,
+    arguments_json,
+    bench_parser,
+    columns,
+    environment,
+    host_slug,
     log,
     log_blas,
     median,
-    mlx_info,
+    memory_bytes,
     package_version,
-    write_json,
+    report_start,
+    restart_with_openblas,
+    set_output_paths,
+    write_report,
 )
 
 from tiny_llm_support import (
@@ -90,7 +96,6 @@ from tiny_llm_support import (
     expected_shapes,
     mlx_lm_qwen3,
     random_weights,
-    reexec_with_openblas,
 )
 from tiny_llm_support.cli import SOLUTIONS, int_at_least, load_solution, unfinished_message
 
@@ -513,8 +518,7 @@ def default_json_path(args: argparse.Namespace) -> Path:
             "vocab_size")  # fmt: skip
     default = shape == tuple(QWEN3_30B_A3B[k] for k in keys)
     name = "qwen3-30b-a3b-shape" if default else "e{}-k{}-h{}-i{}-v{}".format(*shape)
-    host = f"{platform.system().lower()}-{platform.machine().lower()}-{os.cpu_count()}cpu"
-    return RESULTS / f"moe-{name}-{args.layers}layers-{host}.json"
+    return RESULTS / f"moe-{name}-{args.layers}layers-{host_slug()}.json"
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -539,8 +543,7 @@ def summary_table(report: dict[str, Any]) -> str:
              f"{r['decode_bytes_per_step']['total'] / 1e6:.1f}", f"{r['decode_gb_per_s']:.2f}",
              f"{r['share_of_bandwidth']:.0%}", "")
         )  # fmt: skip
-    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
-    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths)) for row in [head, *rows]]
+    lines = columns(head, rows)
     c = report["ceilings"]
     lines.append(
         f"(medians; weight MB: read at least per call; of bw: of this machine's "
@@ -571,12 +574,11 @@ def summary_table(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-moe",
-        description="A mixture of experts three ways (a loop over experts, grouped by expert "
-        "with gather_mm, mlx-lm's SwitchGLU) on a Qwen3-30B-A3B-shaped sparse layer, random "
+    p = bench_parser(
+        "bench-moe",
+        "A mixture of experts three ways (a loop over experts, grouped by expert with "
+        "gather_mm, mlx-lm's SwitchGLU) on a Qwen3-30B-A3B-shaped sparse layer, random "
         "weights: the block alone and the whole model.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     s = p.add_argument_group("shape (defaults: Qwen3-30B-A3B's)")
     s.add_argument("--layers", type=int_at_least(1), default=1,
@@ -605,8 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--no-openblas", action="store_true",
                    help="keep the wheel's bundled BLAS (on Linux the script otherwise restarts "
                    "itself with Debian's OpenBLAS preloaded, when installed)")  # fmt: skip
-    p.add_argument("--json-output", type=Path, default=None,
-                   help="default: benches/results/moe-<shape>-<N>layers-<os>-<arch>-<N>cpu.json")  # fmt: skip
+    add_output_arguments(p, "moe-<shape>-<N>layers-<os>-<arch>-<N>cpu.json")
     return p
 
 
@@ -615,7 +616,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Qwen3Con
         p.error(f"--experts-per-token {args.experts_per_token} is more than --experts")
     config = model_config(args)
     weights = sum(math.prod(s) for s in expected_shapes(config).values()) * DTYPE.size
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    memory = memory_bytes()
     if weights > 0.75 * memory:  # random_weights also needs a float64 copy of one tensor
         p.error(
             f"the weights need {weights / 1e9:.1f} GB, this machine has {memory / 1e9:.1f} GB: "
@@ -644,23 +645,14 @@ def run(pkg, args: argparse.Namespace, config: Qwen3Config) -> dict[str, Any]:
         checks += more
     c = config
     return {
-        "schema": SCHEMA,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": host_info(),
-        "mlx": mlx_info(),
+        **report_start(SCHEMA, started, arguments_json(args)),
         "mlx_lm": {
             "version": package_version("mlx-lm"),
             "block": "mlx_lm.models.qwen3_moe.Qwen3MoeSparseMoeBlock (SwitchGLU), in the Model "
             "tiny_llm_support.mlx_lm_qwen3 builds on the same weight arrays",
         },
         "blas": {**blas_info(), "openblas_core": core},
-        "environment": {
-            k: os.environ.get(k)
-            for k in ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "LD_PRELOAD")
-        },
+        "environment": environment(),
         "device": device,
         "dtype": "float32",
         "solution": SOLUTIONS[args.solution],
@@ -676,13 +668,7 @@ def run(pkg, args: argparse.Namespace, config: Qwen3Config) -> dict[str, Any]:
         "definitions": DEFINITIONS,
         "block": block,
         "model": model,
-        "agreement": {
-            "reference": "grouped",
-            "rtol": AGREEMENT_RTOL,
-            "checks": checks,
-            "largest_relative_diff": max((x["relative_diff"] for x in checks), default=0.0),
-            "ok": all(x["ok"] for x in checks),
-        },
+        "agreement": {"reference": "grouped", **agreement_summary(checks, AGREEMENT_RTOL)},
         "targets": targets(block),
     }
 
@@ -691,11 +677,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     config = check_args(parser, args)
-    if not args.no_openblas:
-        reexec_with_openblas()  # returns only where no restart is needed
-    if args.json_output is None:
-        args.json_output = default_json_path(args)
-    check_outputs(parser, args.json_output)  # before the run, not after it
+    restart_with_openblas(args)
+    set_output_paths(parser, args, default_json_path(args))
     try:
         report = run(load_solution(args.solution), args, config)
     except NotImplementedError as e:
@@ -704,9 +687,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Disagreement as e:
         log(f"error: {e}")
         return 1
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output} ({report['duration_s']:.0f} s)")
-    print(summary_table(report))
+    write_report(args, report, summary_table, seconds=report["duration_s"])
     return 0
 
 

@@ -36,11 +36,7 @@ request of every run, per-mode medians, the targets) and a PNG next to it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
-import os
-import platform
-import re
 import sys
 import tempfile
 import time
@@ -56,44 +52,23 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
+import common
 import mlx.core as mx
-from common import (
-    EMBEDDED_CONFIGS,
-    EXIT_REPORTED,
-    RESULTS,
-    BenchModel,
-    add_model_arguments,
-    bench_model_from_args,
-    blas_info,
-    canonical_json,
-    check_outputs,
-    device_name,
-    host_info,
-    log,
-    median,
-    mlx_info,
-    openblas_core,
-    openblas_hint,
-    openblas_preload_env,
-    package_version,
-    percentile,
-    plan_runs,
-    probe_openblas_core,
-    relative_path,
-    replace_file,
-    run_fresh,
-    write_json,
+from trace_run import (
+    IdsOnlyTokenizer,
+    NoTextTokenizer,
+    TraceContent,
+    TraceError,
+    WrongOutput,
+    check_max_tokens,
+    is_committed_trace,
+    make_trace,
+    read_trace_file,
+    write_trace_file,
 )
-from trace_run import NoTextTokenizer, make_trace
 
-from tiny_llm_support import CheckpointError, choose_device, mlx_lm_qwen3
-from tiny_llm_support.cli import (
-    SOLUTIONS,
-    default_dtype,
-    int_at_least,
-    load_solution,
-    unfinished_message,
-)
+from tiny_llm_support import choose_device, mlx_lm_qwen3
+from tiny_llm_support.cli import int_at_least, load_solution
 
 SCHEMA = "tiny-llm/bench-prefix-cache/v1"
 TRACE_SCHEMA = "tiny-llm/prefix-trace/v1"
@@ -125,31 +100,22 @@ DEFINITIONS = {
 TARGET_PREFILL_FRACTION = 0.20  # prompt tokens computed, on / off, at most
 TARGET_TTFT_SPEEDUP = 5.0  # p50 TTFT of turns 2.., off / on, at least
 
+DESCRIPTION = (  # what --help says first
+    "Prefix caching on an agent-like trace: the engine with and without it, and mlx-lm's "
+    "prompt cache. Each (mode, repeat) runs in a fresh process."
+)
+
 
 # --- the trace -----------------------------------------------------------------------------
 
 
-class TraceError(ValueError):
-    """A trace file that cannot be used; the message says why."""
-
-
 @dataclass
-class AgentTrace:
+class AgentTrace(TraceContent):
     """A shared system prompt and, per conversation, each turn's new user message (ids)."""
 
     system: list[int]
     conversations: list[list[list[int]]]  # [conversation][turn] -> the user message
     max_tokens: int  # every answer's length
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "system": self.system,
-            "conversations": self.conversations,
-            "max_tokens": self.max_tokens,
-        }
-
-    def sha256(self) -> str:
-        return hashlib.sha256(canonical_json(self.to_dict()).encode("ascii")).hexdigest()
 
     @property
     def turns(self) -> int:
@@ -185,7 +151,7 @@ class AgentTrace:
         }
 
 
-def make_agent_trace(args: argparse.Namespace, model: BenchModel) -> dict[str, Any]:
+def make_agent_trace(args: argparse.Namespace, model: common.BenchModel) -> dict[str, Any]:
     """A new trace file's contents: ids drawn uniformly from the model's ordinary ids, the
     system prompt from --seed, the user messages (lengths uniform in --user-tokens) from
     --seed + 1."""
@@ -249,13 +215,7 @@ def trace_file_text(data: dict[str, Any]) -> str:
 
 def read_trace(path: Path) -> tuple[AgentTrace, dict[str, Any], str]:
     """The trace in a file, the file's other fields, and the SHA-256 of its bytes."""
-    try:
-        raw = path.read_bytes()
-        data = json.loads(raw)
-    except (OSError, ValueError) as e:
-        raise TraceError(f"cannot read the trace {path}: {e}") from None
-    if not isinstance(data, dict) or data.get("schema") != TRACE_SCHEMA:
-        raise TraceError(f"{path} is not a trace of schema {TRACE_SCHEMA}")
+    data, sha = read_trace_file(path, TRACE_SCHEMA)
     ok_ids = lambda xs: isinstance(xs, list) and xs and all(
         isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in xs
     )  # fmt: skip
@@ -270,22 +230,16 @@ def read_trace(path: Path) -> tuple[AgentTrace, dict[str, Any], str]:
                 f"{path}: conversation {c} must be a non-empty list of user messages, each a "
                 "non-empty list of token ids"
             )
-    max_tokens = data.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise TraceError(f"{path}: 'max_tokens' must be an integer >= 1")
-    trace = AgentTrace(data["system"], conversations, max_tokens)
+    check_max_tokens(path, data)
+    trace = AgentTrace(data["system"], conversations, data["max_tokens"])
     other = {k: v for k, v in data.items() if k not in ("system", "conversations")}
-    return trace, other, hashlib.sha256(raw).hexdigest()
+    return trace, other, sha
 
 
 # --- one mode, in its own process ----------------------------------------------------------
 
 
-class WrongOutput(RuntimeError):
-    """A mode did not generate exactly max_tokens tokens for a request."""
-
-
-def warmup_trace(model: BenchModel, trace: AgentTrace) -> AgentTrace:
+def warmup_trace(model: common.BenchModel, trace: AgentTrace) -> AgentTrace:
     """The warm-up: one conversation of two short turns, ids of its own (drawn from another
     seed), so that the second turn goes through a cache hit too."""
     n = min(WARMUP_PROMPT_TOKENS, len(trace.system))
@@ -344,7 +298,7 @@ class Requests:
     def progress(self, mode: str, record: dict[str, Any]) -> None:
         done = sum(r["finish_s"] is not None for r in self.records)
         total = sum(len(c) for c in self.trace.conversations)
-        log(
+        common.log(
             f"  {mode:>6} [{done:>3}/{total}] conversation {record['conversation']} turn "
             f"{record['turn']}: prompt {record['prompt_tokens']:>5}, cached "
             f"{record['cached_tokens']:>5}, TTFT {record['first_token_s'] - record['arrival_s']:7.2f} s,"
@@ -416,22 +370,6 @@ def serve_engine(
     return requests.records, counts
 
 
-class IdsOnlyTokenizer:
-    """What mlx-lm's TokenizerWrapper and its naive detokenizer use of a Hugging Face
-    tokenizer, for prompts that are token ids already: no vocabulary (so no thinking tokens),
-    no chat template, no EOS of its own, and every id decodes to no text."""
-
-    chat_template = None
-    eos_token_id = None
-    clean_up_tokenization_spaces = False
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
-
-    def decode(self, ids, **kwargs) -> str:
-        return ""
-
-
 def serve_mlx_lm(model, trace: AgentTrace, quiet=False):
     """The trace, closed-loop, through mlx-lm one request at a time, as mlx_lm.server's
     unbatched path serves it: the nearest cached prefix from its LRUPromptCache (a deep copy,
@@ -484,19 +422,11 @@ def serve_mlx_lm(model, trace: AgentTrace, quiet=False):
 
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    solution = spec["settings"]["solution"]
-    try:
+    with common.child_errors(
+        spec["settings"]["solution"], (WrongOutput,), f"mode {spec['mode']}: "
+    ):
         result = measure_one(spec)
-    except NotImplementedError as e:
-        print(unfinished_message(solution, e), file=sys.stderr)
-        return EXIT_REPORTED
-    except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_REPORTED
-    except WrongOutput as e:
-        print(f"error: mode {spec['mode']}: {e}", file=sys.stderr)
-        return EXIT_REPORTED
-    write_json(spec["output"], result)
+    common.write_json(spec["output"], result)
     return 0
 
 
@@ -508,9 +438,7 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     trace = AgentTrace(**spec["trace"])
     if trace.sha256() != spec["trace_sha256"]:
         raise RuntimeError("the trace handed to this process does not match its SHA-256")
-    bench_model = BenchModel.from_dict(spec["model"])
-    ckpt = bench_model.load(s["dtype"])
-    mx.eval(list(ckpt.weights.values()))  # mx.load is lazy: read the weights now, not in a run
+    bench_model, ckpt = common.load_weights(spec["model"], s["dtype"])
     warm = warmup_trace(bench_model, trace)
     if mode == "mlx-lm":
         model = mlx_lm_qwen3(ckpt)
@@ -532,12 +460,9 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     records, counts = run(trace)
     return {
         "mode": mode,
-        "repeat": spec["repeat"],
-        "order": spec["order"],
-        "sequence": spec["sequence"],
-        "pid": os.getpid(),
+        **common.planned_run(spec),
         "device": device,
-        "blas": {**blas_info(), "openblas_core": openblas_core()},
+        "blas": common.process_blas(),
         "load_s": load_s,
         "warmup_s": warmup_s,
         "peak_memory_bytes": mx.get_peak_memory(),
@@ -555,7 +480,7 @@ def _ttft(records: Sequence[dict[str, Any]]) -> list[float]:
 
 
 def _ms(values: Sequence[float], q: float) -> float | None:
-    p = percentile(values, q)
+    p = common.percentile(values, q)
     return None if p is None else p * 1000
 
 
@@ -613,40 +538,20 @@ SCALARS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-prefix-cache",
-        description="Prefix caching on an agent-like trace: the engine with and without it, "
-        "and mlx-lm's prompt cache. Each (mode, repeat) runs in a fresh process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    m = add_model_arguments(p, default_model="qwen3-0.6b")
-    for action in m._group_actions:
-        if action.dest == "num_layers":
-            action.help += (
-                f"; default: {DEFAULT_LAYERS} for a shortcut with an embedded config, "
-                "all of them otherwise"
-            )
+    p = common.bench_parser("bench-prefix-cache", DESCRIPTION)
+    common.add_model_arguments(p, "qwen3-0.6b", default_layers=DEFAULT_LAYERS)
     t = p.add_argument_group("trace")
     t.add_argument(
         "--trace", type=Path, default=DEFAULT_TRACE,
         help="the trace file; the committed one is checked against its SHA-256",
     )  # fmt: skip
-    t.add_argument(
-        "--conversations", type=int_at_least(1), default=None,
-        help="use the first N conversations (default all); with --write-trace: how many (8)",
-    )  # fmt: skip
-    t.add_argument(
-        "--turns", type=int_at_least(1), default=None,
-        help="use each conversation's first N turns (default all); with --write-trace: 4",
-    )  # fmt: skip
-    t.add_argument(
-        "--system-tokens", type=int_at_least(1), default=None,
-        help="use the system prompt's first N tokens (default all); with --write-trace: 1024",
-    )  # fmt: skip
-    t.add_argument(
-        "--max-tokens", type=int_at_least(1), default=None,
-        help="tokens per answer (default: the trace's); with --write-trace: 16",
-    )  # fmt: skip
+    for flag, what in (  # how much of the trace to use; with --write-trace, how much to make
+        ("--conversations", "use the first N conversations (default all); with --write-trace: how many (8)"),
+        ("--turns", "use each conversation's first N turns (default all); with --write-trace: 4"),
+        ("--system-tokens", "use the system prompt's first N tokens (default all); with --write-trace: 1024"),
+        ("--max-tokens", "tokens per answer (default: the trace's); with --write-trace: 16"),
+    ):  # fmt: skip
+        t.add_argument(flag, type=int_at_least(1), default=None, help=what)
     t.add_argument(
         "--write-trace", type=Path, default=None, metavar="PATH",
         help="write a new trace for --model's ordinary token ids and exit",
@@ -663,15 +568,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", choices=("hybrid", "alternate"), default="hybrid",
         help="the scheduler of both engine modes (Week 3 Days 2 and 4)",
     )  # fmt: skip
-    e.add_argument(
-        "--page-size", type=int_at_least(1), default=16,
-        help="tokens per page, in both engine modes (only full pages are shared)",
-    )  # fmt: skip
-    e.add_argument("--batch-size", type=int_at_least(1), default=8, help="decode slots")
-    e.add_argument(
-        "--prefill-step", type=int_at_least(1), default=128,
-        help="prompt tokens per iteration (hybrid: decode rows included)",
-    )  # fmt: skip
+    for flag, default, what in (
+        ("--page-size", 16, "tokens per page, in both engine modes (only full pages are shared)"),
+        ("--batch-size", 8, "decode slots"),
+        ("--prefill-step", 128, "prompt tokens per iteration (hybrid: decode rows included)"),
+    ):
+        e.add_argument(flag, type=int_at_least(1), default=default, help=what)
     e.add_argument(
         "--read-in-place", action="store_true", help="pages read in place (Week 3 Day 5)"
     )
@@ -681,46 +583,37 @@ def build_parser() -> argparse.ArgumentParser:
         help="off: engine on plain pools; on: engine with prefix_cache=True; mlx-lm: its "
         "prompt cache, one request at a time",
     )  # fmt: skip
-    r.add_argument(
-        "--repeats", type=int_at_least(1), default=1,
-        help="processes per mode; every other repeat runs the modes in reverse order",
-    )  # fmt: skip
-    r.add_argument(
-        "--json-output", type=Path, default=None,
-        help="default: benches/results/prefix-cache-<model>-<layers>layers-<os>-<arch>-<N>cpu.json",
-    )  # fmt: skip
-    r.add_argument("--plot-output", type=Path, default=None, help="default: the JSON with .png")
-    r.add_argument("--no-plot", action="store_true")
-    p.add_argument("--child-spec", help=argparse.SUPPRESS)
+    common.add_repeats_argument(r, "mode", 1)
+    common.add_output_arguments(
+        r, "prefix-cache-<model>-<layers>layers-<os>-<arch>-<N>cpu.json", plot=True
+    )
+    common.add_child_spec_argument(p)
     return p
 
 
-def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchModel:
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> common.BenchModel:
     """Every check that needs no weights; errors exit through argparse before any run."""
-    if args.num_layers is None and args.model.lower() in EMBEDDED_CONFIGS:
-        args.num_layers = DEFAULT_LAYERS
     if args.user_tokens[0] > args.user_tokens[1]:
         p.error(f"--user-tokens: MIN {args.user_tokens[0]} > MAX {args.user_tokens[1]}")
     if len(set(args.modes)) != len(args.modes):
         p.error("--modes lists a mode more than once")
     if args.write_trace is None and args.user_tokens != [32, 64]:
         p.error("--user-tokens only applies with --write-trace")
-    return bench_model_from_args(p, args)
+    return common.bench_model_from_args(p, args, default_layers=DEFAULT_LAYERS)
 
 
-def load_trace(p: argparse.ArgumentParser, args, model: BenchModel) -> tuple[AgentTrace, dict]:
+def load_trace(
+    p: argparse.ArgumentParser, args, model: common.BenchModel
+) -> tuple[AgentTrace, dict]:
     """The trace to serve (the file's, cut as asked) and what the report says of the file."""
     try:
         full, other, file_sha = read_trace(args.trace)
     except TraceError as e:
         p.error(str(e))
-    default = args.trace.resolve() == DEFAULT_TRACE
-    if default and file_sha != DEFAULT_TRACE_SHA256:
-        p.error(
-            f"{args.trace} has SHA-256 {file_sha}, the committed trace has "
-            f"{DEFAULT_TRACE_SHA256}: the trace file changed (regenerate it with --write-trace "
-            "and update DEFAULT_TRACE_SHA256 together)"
-        )
+    default = (DEFAULT_TRACE, DEFAULT_TRACE_SHA256)
+    committed = is_committed_trace(
+        p, args.trace, file_sha, default, "regenerate it with --write-trace"
+    )
     trace = full.cut(args.conversations, args.turns, args.system_tokens)
     if args.max_tokens is not None:
         trace.max_tokens = args.max_tokens
@@ -735,9 +628,9 @@ def load_trace(p: argparse.ArgumentParser, args, model: BenchModel) -> tuple[Age
     if trace.max_seq_len > limit:
         p.error(f"the trace's longest request ({trace.max_seq_len} tokens) exceeds {limit}")
     about = {
-        "path": relative_path(args.trace),
+        "path": common.relative_path(args.trace),
         "file_sha256": file_sha,
-        "is_committed_trace": default,
+        "is_committed_trace": committed,
         "file": {k: v for k, v in other.items() if k != "about"},
         "file_shape": {
             "system_tokens": len(full.system),
@@ -753,14 +646,13 @@ def load_trace(p: argparse.ArgumentParser, args, model: BenchModel) -> tuple[Age
 def run_child(tmp: Path, k: int, total: int, env: dict[str, str], spec: dict) -> dict[str, Any]:
     """One run in a fresh process: its result, with the time the whole process took."""
     mode, repeat = spec["mode"], spec["repeat"]
-    log(f"[{k + 1}/{total}] mode {mode}, repeat {repeat + 1} ({spec['order']})")
-    run = run_fresh(
+    common.log(f"[{k + 1}/{total}] mode {mode}, repeat {repeat + 1} ({spec['order']})")
+    run = common.run_fresh(
         Path(__file__).resolve(), tmp, k, total, env, spec, f"mode {mode}, repeat {repeat + 1}"
     )
-    elapsed = run["process_s"]
     m = run["metrics"]
-    log(
-        f"[{k + 1}/{total}] mode {mode}: {elapsed:.1f} s in process (load {run['load_s']:.1f}, "
+    common.log(
+        f"[{k + 1}/{total}] mode {mode}: {run['process_s']:.1f} s in process (load {run['load_s']:.1f}, "
         f"warm-up {run['warmup_s']:.1f}), run {m['wall_s']:.1f} s, prefilled "
         f"{m['prefill_tokens']} of {m['prompt_tokens']} prompt tokens, TTFT p50 turn 1 "
         f"{m['ttft_turn1_ms_p50']:.0f} ms, later {_fmt(m['ttft_later_ms_p50'])} ms, "
@@ -786,14 +678,7 @@ def token_agreement(runs: list[dict[str, Any]]) -> None:
                 continue
             differ += 1
             if first is None and other is not None:
-                at = next(
-                    (
-                        i
-                        for i, (a, b) in enumerate(zip(q["token_ids"], other["token_ids"]))
-                        if a != b
-                    ),
-                    None,
-                )
+                at = common.first_difference(q["token_ids"], other["token_ids"], None)
                 first = {"conversation": q["conversation"], "turn": q["turn"], "token": at}
         texts = all(
             want.get((q["conversation"], q["turn"]), {}).get("text") == q["text"]
@@ -817,11 +702,11 @@ def aggregate(runs: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, Any
         metrics = [r["metrics"] for r in mine]
         turns = len(metrics[0]["by_turn"]["ttft_ms_p50"])
         row: dict[str, Any] = {"runs": len(mine)}
-        row["median"] = {k: median(m[k] for m in metrics) for k in SCALARS}
-        row["min"] = {k: _extreme(min, (m[k] for m in metrics)) for k in SCALARS}
-        row["max"] = {k: _extreme(max, (m[k] for m in metrics)) for k in SCALARS}
+        row["median"] = {k: common.median(m[k] for m in metrics) for k in SCALARS}
+        row["min"] = {k: common.least(m[k] for m in metrics) for k in SCALARS}
+        row["max"] = {k: common.greatest(m[k] for m in metrics) for k in SCALARS}
         row["by_turn_median"] = {
-            key: [median(m["by_turn"][key][t] for m in metrics) for t in range(turns)]
+            key: [common.median(m["by_turn"][key][t] for m in metrics) for t in range(turns)]
             for key in metrics[0]["by_turn"]
         }
         agreements = [r["agreement_with_off"] for r in mine]
@@ -833,11 +718,6 @@ def aggregate(runs: list[dict[str, Any]], modes: Sequence[str]) -> dict[str, Any
         )
         out[mode] = row
     return out
-
-
-def _extreme(fn, values):
-    data = [v for v in values if v is not None]
-    return fn(data) if data else None
 
 
 def targets(modes: dict[str, Any]) -> dict[str, Any]:
@@ -881,21 +761,20 @@ def targets(modes: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def default_json_path(model: BenchModel) -> Path:
-    name = Path(model.name).name if model.source in ("checkpoint", "config-file") else model.name
-    if name == "config.json":
-        name = Path(model.name).parent.name or "config"
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
-    system = platform.system().lower()
-    host = f"{system}-{platform.machine().lower()}-{os.cpu_count()}cpu"
-    return RESULTS / f"prefix-cache-{slug}-{model.num_layers}layers-{host}.json"
+def default_json_path(model: common.BenchModel) -> Path:
+    return (
+        common.RESULTS
+        / f"prefix-cache-{common.model_slug(model)}-{model.num_layers}layers-{common.host_slug()}.json"
+    )
 
 
-def run_benchmark(args: argparse.Namespace, model: BenchModel, trace: AgentTrace, about: dict):
+def run_benchmark(
+    args: argparse.Namespace, model: common.BenchModel, trace: AgentTrace, about: dict
+):
     started = time.time()
-    env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
-    core = probe_openblas_core(env, preloaded) if preloaded else openblas_core()
-    plan = plan_runs(args.modes, args.repeats)
+    env, preloaded = common.runs_environment(args.no_openblas)
+    core = common.runs_openblas_core(env, preloaded)
+    plan = common.plan_runs(args.modes, args.repeats)
     settings = {
         "policy": args.policy,
         "page_size": args.page_size,
@@ -908,66 +787,36 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel, trace: AgentTrace
         "solution": args.solution,
     }
     used = about["used"]
-    log(
-        f"model {model.name} ({model.source}, {model.num_layers} layers, "
-        f"{model.parameter_count() / 1e6:.1f}M parameters, "
-        f"{'random' if model.random_weights else 'checkpoint'} weights), {args.dtype} on "
-        f"{device_name(args.device)}, solution {SOLUTIONS[args.solution]}"
-    )
-    log(
+    common.log_model(model, args)
+    common.log(
         f"trace {about['path']} (file sha256 {about['file_sha256'][:16]}...): system "
         f"{used['system_tokens']} tokens, {used['conversations']} conversations x "
         f"{used['turns']} turns, answers of {used['max_tokens']} tokens"
     )
-    log(
-        f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}"
-    )
-    if core is not None:
-        log(f"OpenBLAS kernels for the runs: {core}")
-    if hint := openblas_hint(core):
-        log(hint)
-    log(f"{len(plan)} runs: modes {args.modes} x {args.repeats} repeat(s)")
+    common.log_runs_blas(preloaded, core)
+    common.log(f"{len(plan)} runs: modes {args.modes} x {args.repeats} repeat(s)")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-prefix-cache-") as tmp:
-        if model.random_weights:
-            t = time.perf_counter()
-            model.materialize(Path(tmp) / "weights", args.dtype)
-            log(f"random weights written in {time.perf_counter() - t:.1f} s")
-        common = {
+        common.write_random_weights(model, Path(tmp), args.dtype)
+        shared = {
             "model": model.to_dict(),
             "trace": trace.to_dict(),
             "trace_sha256": trace.sha256(),
             "settings": settings,
         }
         for k, (repeat, order, mode) in enumerate(plan):
-            spec = {**common, "mode": mode, "repeat": repeat, "order": order}
+            spec = {**shared, "mode": mode, "repeat": repeat, "order": order}
             runs.append(run_child(Path(tmp), k, len(plan), env, spec))
         model_description = model.describe()
     token_agreement(runs)
     modes = aggregate(runs, args.modes)
     return {
-        "schema": SCHEMA,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "arguments": _jsonable(vars(args)),
-        "host": host_info(),
-        "mlx": mlx_info(),
-        "device": runs[0]["device"] if runs else args.device,
-        "dtype": args.dtype,
-        "solution": SOLUTIONS[args.solution],
-        "blas": {
-            "parent": blas_info(),
-            "runs": sorted({run["blas"]["blas"] for run in runs}),
-            "openblas_core_probed": core,
-            "openblas_cores": sorted({c for run in runs if (c := run["blas"]["openblas_core"])}),
-            "preloaded_by_bench": preloaded,
-            "ld_preload": env.get("LD_PRELOAD"),
-        },
-        "environment": {
-            k: os.environ.get(k)
-            for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "LD_PRELOAD")
-        },
+        **common.report_start(
+            SCHEMA, started, common.arguments_json(args, leave_out=("child_spec",))
+        ),
+        **common.runs_settings(args, runs),
+        "blas": common.runs_blas(runs, env, preloaded, core),
+        "environment": common.environment(),
         "model": model_description,
         "trace": about,
         "settings": settings,
@@ -981,12 +830,11 @@ def run_benchmark(args: argparse.Namespace, model: BenchModel, trace: AgentTrace
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    header = (
+    lines = [  # the column heads, then a row each
         f"{'mode':>7} {'runs':>4} {'prefilled':>9} {'cached':>7} {'of prompt':>9} "
         f"{'TTFT t1 p50':>11} {'p95':>8} {'TTFT t2+ p50':>12} {'p95':>8} {'wall s':>7} "
         f"{'tok/s':>6} {'peak pg':>7} {'ids = off':>9}"
-    )
-    lines = [header]
+    ]
     for mode, row in report["modes"].items():
         m = row["median"]
         lines.append(
@@ -1018,13 +866,8 @@ def summary_table(report: dict[str, Any]) -> str:
 def plot(report: dict[str, Any], path: Path) -> Path | None:
     """Left: p50 TTFT per turn (bars to p95) for each mode, log scale. Right: prompt tokens
     computed per turn (all conversations), each mode beside the prompt tokens sent."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+    plt = common.pyplot()
+    if plt is None:
         return None
     modes = report["modes"]
     colors = {"off": "tab:red", "on": "tab:green", "mlx-lm": "tab:blue"}
@@ -1080,17 +923,12 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     right.legend(fontsize=7, loc="upper center", ncol=2)
     m = report["model"]
     used = report["trace"]["used"]
-    fig.suptitle(
+    title = (
         f"prefix caching: {m['name']} ({m['num_layers']} layers), {report['dtype']}, "
         f"{used['conversations']} conversations x {used['turns']} turns, system "
-        f"{used['system_tokens']} tokens, policy {report['settings']['policy']}",
-        fontsize=9,
+        f"{used['system_tokens']} tokens, policy {report['settings']['policy']}"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, title)
 
 
 def mlx_lm_settings() -> dict[str, Any]:
@@ -1102,7 +940,7 @@ def mlx_lm_settings() -> dict[str, Any]:
 
     step = inspect.signature(generate_step).parameters["prefill_step_size"].default
     return {
-        "version": package_version("mlx-lm"),
+        "version": common.package_version("mlx-lm"),
         "serving": "one request at a time, in arrival order: LRUPromptCache.fetch_nearest_cache, "
         "stream_generate(prompt_cache=...) over the rest of the prompt, insert_cache(prompt + "
         "answer); greedy, EOS ignored",
@@ -1115,45 +953,26 @@ def _fmt(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.0f}"
 
 
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items() if k != "child_spec"}
-
-
-def write_trace(args: argparse.Namespace, model: BenchModel) -> int:
+def write_trace(args: argparse.Namespace, model: common.BenchModel) -> int:
     args.conversations = args.conversations or 8
     args.turns = args.turns or 4
     args.system_tokens = args.system_tokens or 1024
     args.max_tokens = args.max_tokens or 16
-    text = trace_file_text(make_agent_trace(args, model))
-    replace_file(args.write_trace, text, encoding="ascii")
-    sha = hashlib.sha256(text.encode("ascii")).hexdigest()
-    log(f"wrote {args.write_trace}: sha256 {sha}")
+    write_trace_file(args.write_trace, trace_file_text(make_agent_trace(args, model)))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.child_spec:
-        return child_main(args.child_spec)
+    args = common.parse_args_or_run(parser, argv, child_main)
     model = check_args(parser, args)
     if args.write_trace is not None:
-        check_outputs(parser, args.write_trace)
+        common.check_outputs(parser, args.write_trace)
         return write_trace(args, model)
     trace, about = load_trace(parser, args, model)
-    if args.dtype is None:
-        args.dtype = default_dtype(device_name(args.device))
-    if args.json_output is None:
-        args.json_output = default_json_path(model)
-    if args.plot_output is None:
-        args.plot_output = args.json_output.with_suffix(".png")
-    check_outputs(parser, args.json_output, None if args.no_plot else args.plot_output)
+    common.set_output_paths(parser, args, default_json_path(model))
     report = run_benchmark(args, model, trace, about)
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output}")
-    if not args.no_plot and plot(report, args.plot_output):
-        log(f"wrote {args.plot_output}")
-    print(summary_table(report))
+    common.write_report(args, report, summary_table, plot)
     return 0
 
 

@@ -46,6 +46,8 @@ import mlx.core as mx
 from common import (
     RESULTS,
     BenchModel,
+    add_output_arguments,
+    arguments_json,
     bench_model_or_exit,
     check_outputs,
     host_info,
@@ -279,12 +281,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, B
                    help="KV context lengths, multiples of 256")  # fmt: skip
     p.add_argument("--agreement-tokens", type=int_at_least(1), default=64)
     p.add_argument("--device", choices=["auto", "cpu", "gpu"], default="auto")
-    p.add_argument(
-        "--json-output",
-        type=Path,
-        default=None,
-        help="default: benches/results/quantization-<model>-<layers>layers-<os>-<arch>.json",
-    )
+    add_output_arguments(p, "quantization-<model>-<layers>layers-<os>-<arch>.json")
     args = p.parse_args(argv)
     if any(c % 256 for c in args.contexts):
         p.error("--contexts must be multiples of 256 (the caches grow in blocks of 256)")
@@ -313,7 +310,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "blas": blas_info(),
         "device": device,
         "default_quantized_linear": ref.default_quantized_linear(),
-        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "args": arguments_json(args),
         "model": bench_model.describe(),
         "group_size": GROUP_SIZE,
     }

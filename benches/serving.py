@@ -45,7 +45,6 @@ import argparse
 import asyncio
 import hashlib
 import json
-import os
 import random
 import re
 import shutil
@@ -69,20 +68,27 @@ if __name__ == "__main__":
 from common import (
     EMBEDDED_CONFIGS,
     RESULTS,
+    add_output_arguments,
+    arguments_json,
+    bench_parser,
     blas_info,
     check_checkpoint_arg,
     check_outputs,
-    host_info,
+    host_slug,
     log,
-    mlx_info,
     openblas_hint,
-    openblas_preload_env,
     package_version,
     percentile,
     probe_openblas_core,
+    pyplot,
     relative_path,
     replace_file,
-    write_json,
+    report_start,
+    runs_environment,
+    save_figure,
+    set_output_paths,
+    slug,
+    write_report,
 )
 
 from tiny_llm_support.cli import int_at_least
@@ -739,13 +745,8 @@ def _ratio(ours, theirs, keys, at_least=None, at_most=None) -> dict[str, Any]:
 def plot(report: dict[str, Any], path: Path) -> Path | None:
     """Latency against load, one line per server, solid chat and dashed agent: p95 TTFT, p95
     inter-token gap (both log scale) and output tokens/s, against the offered rate."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+    plt = pyplot()
+    if plt is None:
         return None
     colors = {"tiny-llm": "tab:green", "mlx-lm": "tab:blue", "mlx-lm-batch": "tab:purple"}
     styles = {"chat": "o-", "agent": "s--"}
@@ -773,19 +774,14 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=7, loc="best")
     m = report["model"]
-    fig.suptitle(
+    title = (
         f"serving under load: {m['name']} ({m.get('num_layers', '?')} layers), float32, "
         f"tiny-llm (hybrid, budget {report['settings']['prefill_step']}, batch "
         f"{report['settings']['batch_size']}) against mlx_lm.server; "
         f"{report['arguments']['requests'] or 'all'} requests per trace; "
-        f"{report['host']['machine']}, {report['host']['cpu_count']} CPUs",
-        fontsize=9,
+        f"{report['host']['machine']}, {report['host']['cpu_count']} CPUs"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def _series(runs):
@@ -844,11 +840,10 @@ def _num(v):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-serving",
-        description="Open-loop load test of OpenAI-compatible servers: tiny-llm's serve and "
-        "mlx_lm.server side by side on one checkpoint, or any --url.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = bench_parser(
+        "bench-serving",
+        "Open-loop load test of OpenAI-compatible servers: tiny-llm's serve and mlx_lm.server "
+        "side by side on one checkpoint, or any --url.",
     )
     p.add_argument("--model", default="qwen3-0.6b",
                    help="tiny (the trained tiny chat model), a shortcut (random weights of its "
@@ -879,10 +874,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-pages", type=int_at_least(1), default=None,
                    help="pages per layer (default: batch-size full-length requests)")  # fmt: skip
     o = p.add_argument_group("output")
-    o.add_argument("--json-output", type=Path, default=None,
-                   help="default: benches/results/serving-<model>-<os>-<arch>-<N>cpu.json")  # fmt: skip
-    o.add_argument("--plot-output", type=Path, default=None, help="default: the JSON with .png")
-    o.add_argument("--no-plot", action="store_true")
+    add_output_arguments(o, "serving-<model>-<os>-<arch>-<N>cpu.json", plot=True)
     o.add_argument("--note", default=None, help="a note recorded in the JSON")
     o.add_argument("--no-openblas", action="store_true",
                    help="keep the mlx[cpu] wheel's reference BLAS in the servers")  # fmt: skip
@@ -897,9 +889,7 @@ def default_json_path(args) -> Path:
     name = Path(args.model).name if Path(args.model).exists() else args.model.lower()
     if name in EMBEDDED_CONFIGS:
         name += f"-{args.num_layers or DEFAULT_LAYERS}layers"
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
-    host = f"{os.uname().sysname.lower()}-{os.uname().machine.lower()}-{os.cpu_count()}cpu"
-    return RESULTS / f"serving-{slug}-{host}.json"
+    return RESULTS / f"serving-{slug(name) or 'model'}-{host_slug()}.json"
 
 
 def main(argv=None) -> int:
@@ -916,26 +906,20 @@ def main(argv=None) -> int:
     if args.url and not args.model_id:
         p.error("--url needs --model-id, the model name that server expects")
     args.max_pages = args.max_pages or args.batch_size * -(-args.max_seq_len // args.page_size)
-    args.json_output = args.json_output or default_json_path(args)
-    args.plot_output = args.plot_output or args.json_output.with_suffix(".png")
-    check_outputs(p, args.json_output, None if args.no_plot else args.plot_output)
+    set_output_paths(p, args, default_json_path(args))
     if not args.url and not (
         args.model.lower() in EMBEDDED_CONFIGS and not Path(args.model).exists()
     ):
         check_checkpoint_arg(p, args.model)  # a shortcut's random weights are the bench's own
     traces = [read_trace(name, TRACES[name], args.requests) for name in args.traces]
     report = run_benchmark(args, traces)
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output}")
-    if not args.no_plot and plot(report, args.plot_output):
-        log(f"wrote {args.plot_output}")
-    print(summary_table(report))
+    write_report(args, report, summary_table, plot)
     return 0
 
 
 def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
     started = time.time()
-    env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
+    env, preloaded = runs_environment(args.no_openblas)
     core = probe_openblas_core(env, preloaded)
     if hint := openblas_hint(core):
         log(hint)
@@ -960,14 +944,8 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
         soak = run_soak(args, ckpt, env, tmp) if args.soak and not args.url else None
     matches = compare_texts(runs)
     return {
-        "schema": SCHEMA,
+        **report_start(SCHEMA, started, arguments_json(args)),
         "note": args.note,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "arguments": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "host": host_info(),
-        "mlx": mlx_info(),
         "blas": {"parent": blas_info(), "preloaded_in_servers": preloaded, "openblas_core": core},
         "versions": {p: package_version(p) for p in ("mlx", "mlx-lm", "openai", "fastapi")},
         "model": model,

@@ -37,6 +37,7 @@ if __name__ == "__main__":
 
 # ruff: noqa: E402 (the imports below load MLX)
 from common import (
+    add_output_arguments,
     check_checkpoint_arg,
     check_outputs,
     host_info,
@@ -59,12 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens generated per request")
     p.add_argument("--batch-size", type=int, default=4, help="decode slots")
     p.add_argument("--repeats", type=int, default=3, help="runs of each mode, alternating")
-    p.add_argument(
-        "--json-output",
-        type=Path,
-        default=None,
-        help="default: benches/results/serving-overhead-<model>-linux-2cpu.json",
-    )
+    add_output_arguments(p, "serving-overhead-<model>-linux-2cpu.json")
     p.add_argument("--run", choices=["engine"], help=argparse.SUPPRESS)  # one engine run
     args = p.parse_args(argv)
     for name in ("prompts", "max_tokens", "batch_size", "repeats"):

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -38,7 +37,7 @@ if __name__ == "__main__":
 # ruff: noqa: E402 (the imports below load MLX)
 import common
 import mlx.core as mx
-from common import BenchModel, log, median
+from common import log, median
 from trace_run import NoTextTokenizer, make_trace
 
 from tiny_llm_support import choose_device, mlx_lm_qwen3
@@ -90,8 +89,7 @@ def load(spec: dict[str, Any]) -> tuple[argparse.Namespace, Any, Any]:
     """The run's arguments, the solution package and the checkpoint (weights read)."""
     args = argparse.Namespace(**spec["args"])
     choose_device(args.device)
-    ckpt = BenchModel.from_dict(spec["model"]).load(args.dtype)
-    mx.eval(list(ckpt.weights.values()))
+    _, ckpt = common.load_weights(spec["model"], args.dtype)
     return args, load_solution(args.solution), ckpt
 
 
@@ -235,10 +233,9 @@ def run_speeds(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-shape-stable",
-        description="Compiles, evictions and memory of a compiled model under padding ladders.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = common.bench_parser(
+        "bench-shape-stable",
+        "Compiles, evictions and memory of a compiled model under padding ladders.",
     )
     common.add_model_arguments(p, default_model="tiny")
     b = p.add_argument_group("the experiment")
@@ -251,12 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--decode-steps", type=int_at_least(1), default=16, help="timed decode steps")
     b.add_argument("--repeats", type=int_at_least(1), default=3, help="timed rounds of speeds")
     b.add_argument("--no-speeds", action="store_true", help="skip the speed comparison")
-    b.add_argument(
-        "--json-output",
-        type=Path,
-        default=None,
-        help="default: benches/results/shape-stable-<model>-<layers>l.json",
-    )
+    common.add_output_arguments(b, "shape-stable-<model>-<layers>l.json")
     p.add_argument("--child", help=argparse.SUPPRESS)
     return p
 
@@ -273,18 +265,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.child:
         return child(args.child)
+    args.dtype = args.dtype or default_dtype("cpu")  # float32 unless --dtype, whatever --device
     model = common.bench_model_from_args(parser, args)
     if args.json_output is None:
         args.json_output = common.RESULTS / f"shape-stable-{model.name}-{model.num_layers}l.json"
     common.check_outputs(parser, args.json_output)
-    args.dtype = args.dtype or default_dtype("cpu")
     started = time.time()
     lengths = [min(n, int(model.config["max_position_embeddings"]) - 64) for n in PROMPT_LENGTHS]
     rng_prompts = [
         make_trace(i, 1, (n, n), (1, 1), model.token_ids, model.excluded_ids).prompts[0]
         for i, n in enumerate(lengths)
     ]
-    env, _ = (dict(os.environ), None) if args.no_openblas else common.openblas_preload_env()
+    env, _ = common.runs_environment(args.no_openblas)
     results, speeds = [], None
     with tempfile.TemporaryDirectory(prefix="bench-shape-stable-") as tmp:
         if model.random_weights:
@@ -292,9 +284,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = list(args.configs) + ([] if args.no_speeds else ["speeds"])
         for k, config in enumerate(jobs):
             spec = {
-                "args": {
-                    k2: (str(v) if isinstance(v, Path) else v) for k2, v in vars(args).items()
-                },
+                "args": common.arguments_json(args),
                 "model": model.to_dict(),
                 "prompts": rng_prompts,
                 "config": config,
@@ -323,13 +313,7 @@ def main(argv: list[str] | None = None) -> int:
             p["tokens"] for p in eager["prompts"]
         ]
     report = {
-        "schema": SCHEMA,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])],
-        "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": common.host_info(),
-        "mlx": common.mlx_info(),
+        **common.report_start(SCHEMA, started, common.arguments_json(args), argv),
         "model": description,
         "prompt_lengths": lengths,
         "configs": {r["config"]: r for r in results},

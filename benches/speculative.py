@@ -40,10 +40,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import json
-import os
-import platform
 import re
 import sys
 import tempfile
@@ -59,46 +56,20 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
+import common
 import mlx.core as mx
-from common import (
-    EXIT_REPORTED,
-    RESULTS,
-    BenchModel,
-    add_model_arguments,
-    bench_model_from_args,
-    blas_info,
-    check_outputs,
-    device_name,
-    host_info,
-    log,
-    median,
-    mlx_info,
-    openblas_core,
-    openblas_hint,
-    openblas_preload_env,
-    package_version,
-    plan_runs,
-    probe_openblas_core,
-    relative_path,
-    replace_file,
-    resolve_bench_model,
-    run_fresh,
-    write_json,
+from trace_run import (
+    IdsOnlyTokenizer,
+    TraceError,
+    WrongOutput,
+    check_max_tokens,
+    is_committed_trace,
+    read_trace_file,
+    write_trace_file,
 )
 
-from tiny_llm_support import (
-    Checkpoint,
-    CheckpointError,
-    choose_device,
-    mlx_lm_qwen3,
-)
-from tiny_llm_support.cli import (
-    SOLUTIONS,
-    default_dtype,
-    int_at_least,
-    load_solution,
-    unfinished_message,
-)
+from tiny_llm_support import Checkpoint, CheckpointError, choose_device, mlx_lm_qwen3
+from tiny_llm_support.cli import SOLUTIONS, int_at_least, load_solution
 from tiny_llm_support.tiny_corpus import QA_FILE, file_sha256, parse_qa
 
 SCHEMA = "tiny-llm/bench-speculative/v1"
@@ -155,6 +126,11 @@ DEFINITIONS = {
     "size); mlx-lm modes also against mlx-lm-plain",
 }
 
+DESCRIPTION = (  # what --help says first
+    "Speculative decoding on a grounded and an ungrounded chat trace: plain greedy against "
+    "prompt lookup, a draft model, and mlx-lm. Each (mode, repeat) runs in a fresh process."
+)
+
 
 # --- modes ----------------------------------------------------------------------------------
 
@@ -205,10 +181,6 @@ def parse_mode(name: str) -> Mode:
 
 
 # --- the traces -----------------------------------------------------------------------------
-
-
-class TraceError(ValueError):
-    """A trace file that cannot be used; the message says why."""
 
 
 def trace_requests(name: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
@@ -282,13 +254,7 @@ def make_trace_file(name: str, tokenizer) -> str:
 
 def read_trace(path: Path) -> tuple[dict[str, Any], str]:
     """A trace file's contents and the SHA-256 of its bytes."""
-    try:
-        raw = path.read_bytes()
-        data = json.loads(raw)
-    except (OSError, ValueError) as e:
-        raise TraceError(f"cannot read the trace {path}: {e}") from None
-    if not isinstance(data, dict) or data.get("schema") != TRACE_SCHEMA:
-        raise TraceError(f"{path} is not a trace of schema {TRACE_SCHEMA}")
+    data, sha = read_trace_file(path, TRACE_SCHEMA)
     requests, contexts = data.get("requests"), data.get("contexts")
     if not isinstance(requests, list) or not requests or not isinstance(contexts, dict):
         raise TraceError(f"{path}: 'requests' must be a non-empty list, 'contexts' an object")
@@ -300,34 +266,26 @@ def read_trace(path: Path) -> tuple[dict[str, Any], str]:
         ids = r.get("prompt_ids")
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             raise TraceError(f"{path}: request {i}: 'prompt_ids' must be a list of token ids")
-    max_tokens = data.get("max_tokens")
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-        raise TraceError(f"{path}: 'max_tokens' must be an integer >= 1")
-    return data, hashlib.sha256(raw).hexdigest()
+    check_max_tokens(path, data)
+    return data, sha
 
 
-def write_traces(directory: Path, model: BenchModel) -> int:
+def write_traces(directory: Path, model: common.BenchModel) -> int:
     ckpt_tokenizer = _tokenizer_of(model)
     for name in TRACE_NAMES:
-        path = directory / f"speculative-{name}.json"
-        text = make_trace_file(name, ckpt_tokenizer)
-        replace_file(path, text, encoding="ascii")
-        sha = hashlib.sha256(text.encode("ascii")).hexdigest()
-        log(f"wrote {path}: sha256 {sha}")
+        write_trace_file(
+            directory / f"speculative-{name}.json", make_trace_file(name, ckpt_tokenizer)
+        )
     return 0
 
 
-def _tokenizer_of(model: BenchModel):
+def _tokenizer_of(model: common.BenchModel):
     from tiny_llm_support import load_tokenizer
 
     return load_tokenizer(model.path)
 
 
 # --- one mode, in its own process -------------------------------------------------------------
-
-
-class WrongOutput(RuntimeError):
-    """A mode lost or duplicated a request."""
 
 
 def serve_engine(api, model, tokenizer, prompts, batch_size: int, proposer, s: dict) -> dict:
@@ -386,27 +344,11 @@ def serve_engine(api, model, tokenizer, prompts, batch_size: int, proposer, s: d
     return row_metrics(outputs, prompts, wall, decode, counts)
 
 
-class IdsOnlyTokenizer:
-    """What mlx-lm's TokenizerWrapper and its naive detokenizer use of a Hugging Face
-    tokenizer, for prompts that are token ids already: no vocabulary (so no thinking tokens),
-    no chat template, and every id decodes to no text (the text is decoded afterwards by the
-    model's own tokenizer). EOS is given to the wrapper."""
-
-    chat_template = None
-    eos_token_id = None
-    clean_up_tokenization_spaces = False
-
-    def get_vocab(self) -> dict[str, int]:
-        return {}
-
-    def decode(self, ids, **kwargs) -> str:
-        return ""
-
-
 def serve_mlx_lm(model, draft, k: int | None, tokenizer, prompts, s: dict) -> dict:
     """Every prompt in turn through mlx-lm's stream_generate (speculative with a draft),
-    greedy, ending at EOS like the engine. A pass is a run of tokens marked from_draft ending
-    with one that is not (the target's own token after the kept guesses)."""
+    greedy, ending at EOS like the engine; the text decoded afterwards by the model's own
+    tokenizer. A pass is a run of tokens marked from_draft ending with one that is not (the
+    target's own token after the kept guesses)."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
@@ -473,16 +415,10 @@ def row_metrics(outputs, prompts, wall: float, decode: dict, counts: dict) -> di
 
 def child_main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
-    solution = spec["settings"]["solution"]
-    try:
+    own = (CheckpointError, WrongOutput)
+    with common.child_errors(spec["settings"]["solution"], own, f"mode {spec['mode']}: "):
         result = measure_one(spec)
-    except NotImplementedError as e:
-        print(unfinished_message(solution, e), file=sys.stderr)
-        return EXIT_REPORTED
-    except (CheckpointError, WrongOutput) as e:
-        print(f"error: mode {spec['mode']}: {e}", file=sys.stderr)
-        return EXIT_REPORTED
-    write_json(spec["output"], result)
+    common.write_json(spec["output"], result)
     return 0
 
 
@@ -491,13 +427,13 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
     t0 = time.perf_counter()
     s, mode = spec["settings"], parse_mode(spec["mode"])
     device = choose_device(s["device"])
-    bench_model = BenchModel.from_dict(spec["model"])
-    ckpt = bench_model.load(s["dtype"])
-    mx.eval(list(ckpt.weights.values()))  # mx.load is lazy: read the weights now, not in a run
+    _, ckpt = common.load_weights(spec["model"], s["dtype"])
     tokenizer = ckpt.tokenizer
     draft_ckpt = None
     if mode.kind == "draft":  # the target's first layers, on the very same weight arrays
-        config = BenchModel.from_dict(spec["drafts"][str(mode.draft_layers or "self")]).config
+        config = common.BenchModel.from_dict(
+            spec["drafts"][str(mode.draft_layers or "self")]
+        ).config
         cut = dataclasses.replace(
             ckpt.config, num_hidden_layers=config["num_hidden_layers"], raw=dict(config)
         )
@@ -546,12 +482,9 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
             rows.append({"trace": name, "batch_size": b, **row})
     return {
         "mode": mode.name,
-        "repeat": spec["repeat"],
-        "order": spec["order"],
-        "sequence": spec["sequence"],
-        "pid": os.getpid(),
+        **common.planned_run(spec),
         "device": device,
-        "blas": {**blas_info(), "openblas_core": openblas_core()},
+        "blas": common.process_blas(),
         "load_s": load_s,
         "warmup_s": warmup_s,
         "rows": rows,
@@ -562,14 +495,8 @@ def measure_one(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench-speculative",
-        description="Speculative decoding on a grounded and an ungrounded chat trace: plain "
-        "greedy against prompt lookup, a draft model, and mlx-lm. Each (mode, repeat) runs in a "
-        "fresh process.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_model_arguments(p, default_model="tiny")
+    p = common.bench_parser("bench-speculative", DESCRIPTION)
+    common.add_model_arguments(p, "tiny")
     t = p.add_argument_group("traces")
     t.add_argument(
         "--trace-dir", type=Path, default=TRACES_DIR,
@@ -605,24 +532,16 @@ def build_parser() -> argparse.ArgumentParser:
         "draft-self-kN (the target as its own draft: an upper bound on acceptance), and "
         "mlx-lm-plain / mlx-lm-draft-...-kN",
     )  # fmt: skip
-    r.add_argument(
-        "--repeats", type=int_at_least(1), default=3,
-        help="processes per mode; every other repeat runs the modes in reverse order",
-    )  # fmt: skip
-    r.add_argument(
-        "--json-output", type=Path, default=None,
-        help="default: benches/results/speculative-<model>-<os>-<arch>-<N>cpu.json",
-    )  # fmt: skip
-    r.add_argument("--plot-output", type=Path, default=None, help="default: the JSON with .png")
-    r.add_argument("--no-plot", action="store_true")
-    p.add_argument("--child-spec", help=argparse.SUPPRESS)
+    common.add_repeats_argument(r, "mode", 3)
+    common.add_output_arguments(r, "speculative-<model>-<os>-<arch>-<N>cpu.json", plot=True)
+    common.add_child_spec_argument(p)
     p.set_defaults(seed=0)  # the model group's weight seed: real weights only here
     return p
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace):
     """Every check that needs no weights; errors exit through argparse before any run."""
-    model = bench_model_from_args(p, args)
+    model = common.bench_model_from_args(p, args)
     if model.random_weights:
         p.error(
             "speculative decoding needs a trained model: how many guesses are kept depends on "
@@ -649,7 +568,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace):
     return model, modes
 
 
-def load_traces(p: argparse.ArgumentParser, args, model: BenchModel, tokenizer):
+def load_traces(p: argparse.ArgumentParser, args, model: common.BenchModel, tokenizer):
     """Per trace: the prompt ids to serve (the file's, or the model's own chat template for
     another tokenizer) and what the report says of the file."""
     prompts, about = {}, {}
@@ -659,19 +578,14 @@ def load_traces(p: argparse.ArgumentParser, args, model: BenchModel, tokenizer):
             data, sha = read_trace(path)
         except TraceError as e:
             p.error(str(e))
-        committed = path.resolve() == DEFAULT_TRACES[name]
-        if committed and sha != DEFAULT_TRACE_SHA256[name]:
-            p.error(
-                f"{path} has SHA-256 {sha}, the committed {name} trace has "
-                f"{DEFAULT_TRACE_SHA256[name]}: the trace file changed (regenerate both with "
-                "--write-traces and update DEFAULT_TRACE_SHA256 together)"
-            )
+        default = (DEFAULT_TRACES[name], DEFAULT_TRACE_SHA256[name])
+        committed = is_committed_trace(p, path, sha, default, "regenerate both with --write-traces")
         requests = data["requests"][: args.requests]
         ours = [chat_prompt(tokenizer, data["contexts"], r) for r in requests]
         stored = [r["prompt_ids"] for r in requests]
         prompts[name] = ours
         about[name] = {
-            "path": relative_path(path),
+            "path": common.relative_path(path),
             "file_sha256": sha,
             "is_committed_trace": committed,
             "generator": data.get("generator"),
@@ -688,17 +602,16 @@ def load_traces(p: argparse.ArgumentParser, args, model: BenchModel, tokenizer):
 def run_child(tmp: Path, k: int, total: int, env: dict[str, str], spec: dict) -> dict[str, Any]:
     """One run in a fresh process: its result, with the time the whole process took."""
     mode, repeat = spec["mode"], spec["repeat"]
-    run = run_fresh(
+    run = common.run_fresh(
         Path(__file__).resolve(), tmp, k, total, env, spec, f"mode {mode}, repeat {repeat + 1}"
     )
-    elapsed = run["process_s"]
     rows = "; ".join(
         f"{r['trace']} b{r['batch_size']} {_fmt(r['decode_tokens_per_s'], '.0f')} tok/s "
         f"{_fmt(r['tokens_per_pass'], '.2f')}/pass"
         for r in run["rows"]
     )
-    log(
-        f"[{k + 1}/{total}] {mode} (repeat {repeat + 1}, {spec['order']}): {elapsed:.1f} s "
+    common.log(
+        f"[{k + 1}/{total}] {mode} (repeat {repeat + 1}, {spec['order']}): {run['process_s']:.1f} s "
         f"(load {run['load_s']:.1f}, warm-up {run['warmup_s']:.1f}); {rows}"
     )
     return run
@@ -725,11 +638,8 @@ def agreement(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 ids_differ += not same
                 text_differ += got["text"] != ref["text"]
                 if not same and first is None:
-                    at = next(
-                        (j for j, (a, b) in enumerate(zip(got["token_ids"], ref["token_ids"]))
-                         if a != b),
-                        min(len(got["token_ids"]), len(ref["token_ids"])),
-                    )  # fmt: skip
+                    shorter = min(len(got["token_ids"]), len(ref["token_ids"]))
+                    at = common.first_difference(got["token_ids"], ref["token_ids"], shorter)
                     first = {"request": i, "token": at}
             row["mismatched_requests"] = ids_differ
             row["mismatched_texts"] = text_differ
@@ -787,7 +697,7 @@ def aggregate(runs: list[dict[str, Any]], modes: Sequence[str]) -> list[dict[str
         for (trace, b), mine in rows.items():
             line: dict[str, Any] = {"mode": mode, "trace": trace, "batch_size": b}
             line["runs"] = len(mine)
-            line["median"] = {k: median(r[k] for r in mine) for k in SCALARS}
+            line["median"] = {k: common.median(r[k] for r in mine) for k in SCALARS}
             speeds = [r["decode_tokens_per_s"] for r in mine if r["decode_tokens_per_s"]]
             line["decode_tokens_per_s_min"] = min(speeds, default=None)
             line["decode_tokens_per_s_max"] = max(speeds, default=None)
@@ -840,23 +750,20 @@ def targets(lines: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def default_json_path(model: BenchModel) -> Path:
-    name = Path(model.name).name if model.source == "checkpoint" else model.name
-    slug = re.sub(r"[^A-Za-z0-9.]+", "-", name).strip("-").lower() or "model"
-    host = f"{platform.system().lower()}-{platform.machine().lower()}-{os.cpu_count()}cpu"
-    return RESULTS / f"speculative-{slug}-{host}.json"
+def default_json_path(model: common.BenchModel) -> Path:
+    return common.RESULTS / f"speculative-{common.model_slug(model)}-{common.host_slug()}.json"
 
 
-def run_benchmark(args, model: BenchModel, modes: list[Mode], prompts, about, warmup):
+def run_benchmark(args, model: common.BenchModel, modes: list[Mode], prompts, about, warmup):
     started = time.time()
-    env, preloaded = (dict(os.environ), None) if args.no_openblas else openblas_preload_env()
-    core = probe_openblas_core(env, preloaded) if preloaded else openblas_core()
+    env, preloaded = common.runs_environment(args.no_openblas)
+    core = common.runs_openblas_core(env, preloaded)
     drafts = {}
     for mode in modes:
         if mode.kind == "draft":
             layers = mode.draft_layers or model.num_layers
             key = str(mode.draft_layers or "self")
-            drafts[key] = resolve_bench_model(
+            drafts[key] = common.resolve_bench_model(
                 model.path, False, layers, 0, args.offline or None
             )  # the same checkpoint, cut to its first `layers` layers
     max_tokens = args.max_tokens or min(a["max_tokens"] for a in about.values())
@@ -875,28 +782,18 @@ def run_benchmark(args, model: BenchModel, modes: list[Mode], prompts, about, wa
         "device": args.device,
         "solution": args.solution,
     }
-    plan = plan_runs(args.modes, args.repeats)
-    log(
-        f"model {model.name} ({model.num_layers} layers, {model.parameter_count() / 1e6:.1f}M "
-        f"parameters), {args.dtype} on {device_name(args.device)}, solution "
-        f"{SOLUTIONS[args.solution]}; drafts: "
-        + (", ".join(f"{k} ({d.num_layers} layers)" for k, d in drafts.items()) or "none")
-    )
+    plan = common.plan_runs(args.modes, args.repeats)
+    named = ", ".join(f"{k} ({d.num_layers} layers)" for k, d in drafts.items())
+    common.log_model(model, args, f"; drafts: {named or 'none'}")
     for name, a in about.items():
-        log(
+        common.log(
             f"trace {name}: {a['path']} (sha256 {a['file_sha256'][:16]}...), "
             f"{a['used_requests']} requests, prompts {min(a['prompt_tokens'])}.."
             f"{max(a['prompt_tokens'])} tokens, answers of at most {max_tokens} tokens"
         )
-    log(
-        f"BLAS for the runs: {'OpenBLAS preloaded: ' + preloaded if preloaded else blas_info()['blas']}"
-    )
-    if core is not None:
-        log(f"OpenBLAS kernels for the runs: {core}")
-    if hint := openblas_hint(core):
-        log(hint)
-    log(f"{len(plan)} runs: {len(args.modes)} modes x {args.repeats} repeat(s)")
-    common = {
+    common.log_runs_blas(preloaded, core)
+    common.log(f"{len(plan)} runs: {len(args.modes)} modes x {args.repeats} repeat(s)")
+    shared = {
         "model": model.to_dict(),
         "drafts": {k: d.to_dict() for k, d in drafts.items()},
         "prompts": prompts,
@@ -906,39 +803,21 @@ def run_benchmark(args, model: BenchModel, modes: list[Mode], prompts, about, wa
     runs = []
     with tempfile.TemporaryDirectory(prefix="bench-speculative-") as tmp:
         for k, (repeat, order, mode) in enumerate(plan):
-            spec = {**common, "mode": mode, "repeat": repeat, "order": order}
+            spec = {**shared, "mode": mode, "repeat": repeat, "order": order}
             runs.append(run_child(Path(tmp), k, len(plan), env, spec))
     reference = agreement(runs)
     lines = aggregate(runs, args.modes)
     return {
-        "schema": SCHEMA,
-        "created_unix": started,
-        "duration_s": time.time() - started,
-        "command": [Path(sys.argv[0]).name, *sys.argv[1:]],
-        "arguments": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        "host": host_info(),
-        "mlx": mlx_info(),
+        **common.report_start(SCHEMA, started, common.arguments_json(args)),
         "mlx_lm": {
-            "version": package_version("mlx-lm"),
+            "version": common.package_version("mlx-lm"),
             "api": "mlx_lm.generate.stream_generate("
             "model, tokenizer, prompt_ids, max_tokens, draft_model=, num_draft_tokens=), "
             "models built by tiny_llm_support.mlx_lm_qwen3 on the same weight arrays",
         },
-        "device": runs[0]["device"] if runs else args.device,
-        "dtype": args.dtype,
-        "solution": SOLUTIONS[args.solution],
-        "blas": {
-            "parent": blas_info(),
-            "runs": sorted({run["blas"]["blas"] for run in runs}),
-            "openblas_core_probed": core,
-            "openblas_cores": sorted({c for run in runs if (c := run["blas"]["openblas_core"])}),
-            "preloaded_by_bench": preloaded,
-            "ld_preload": env.get("LD_PRELOAD"),
-        },
-        "environment": {
-            k: os.environ.get(k)
-            for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "OPENBLAS_CORETYPE", "LD_PRELOAD")
-        },
+        **common.runs_settings(args, runs),
+        "blas": common.runs_blas(runs, env, preloaded, core),
+        "environment": common.environment(),
         "model": model.describe(),
         "drafts": {
             k: {
@@ -965,12 +844,11 @@ def run_benchmark(args, model: BenchModel, modes: list[Mode], prompts, about, wa
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    header = (
+    lines = [  # the column heads, then a row each
         f"{'mode':>24} {'trace':>10} {'b':>2} {'decode tok/s':>12} {'x plain':>7} "
         f"{'x mlx-lm':>8} {'tok/pass':>8} {'tok/row':>7} {'accept':>6} {'e2e tok/s':>9} "
         f"{'diff':>4}"
-    )
-    lines = [header]
+    ]
     for x in sorted(report["summary"], key=lambda x: (x["batch_size"], x["trace"])):
         m = x["median"]
         lines.append(
@@ -1001,13 +879,8 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     """Left: decode tokens/s per mode at batch 1, both traces, with the targets drawn over
     plain. Middle: the same at the largest batch size. Right: tokens per pass per decoding row
     at batch 1, both traces."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("matplotlib is not installed: no plot (pdm sync -G dev installs it)")
+    plt = common.pyplot()
+    if plt is None:
         return None
     lines = report["summary"]
     modes = list(report["modes"])
@@ -1057,17 +930,12 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
         ax.set_title(f"{what}, batch {b}", fontsize=9)
         ax.legend(fontsize=7, loc="best")
     m = report["model"]
-    fig.suptitle(
+    title = (
         f"speculative decoding: {m['name']} ({m['num_layers']} layers), {report['dtype']}, "
         f"greedy; {report['traces']['grounded']['used_requests']} grounded and "
-        f"{report['traces']['ungrounded']['used_requests']} ungrounded chat prompts",
-        fontsize=9,
+        f"{report['traces']['ungrounded']['used_requests']} ungrounded chat prompts"
     )
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+    return common.save_figure(fig, path, title)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -1076,12 +944,12 @@ def _fmt(value: float | None, spec: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.child_spec:
-        return child_main(args.child_spec)
+    args = common.parse_args_or_run(parser, argv, child_main)
     model, modes = check_args(parser, args)
     if args.write_traces is not None:
-        check_outputs(parser, *(args.write_traces / f"speculative-{n}.json" for n in TRACE_NAMES))
+        common.check_outputs(
+            parser, *(args.write_traces / f"speculative-{n}.json" for n in TRACE_NAMES)
+        )
         return write_traces(args.write_traces, model)
     tokenizer = _tokenizer_of(model)
     prompts, about = load_traces(parser, args, model, tokenizer)
@@ -1092,19 +960,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
         chat_prompt(tokenizer, contexts, {"question": WARMUP_QUESTIONS[1], "context": None}),
     ]
-    if args.dtype is None:
-        args.dtype = default_dtype(device_name(args.device))
-    if args.json_output is None:
-        args.json_output = default_json_path(model)
-    if args.plot_output is None:
-        args.plot_output = args.json_output.with_suffix(".png")
-    check_outputs(parser, args.json_output, None if args.no_plot else args.plot_output)
+    common.set_output_paths(parser, args, default_json_path(model))
     report = run_benchmark(args, model, modes, prompts, about, warmup)
-    write_json(args.json_output, report)
-    log(f"wrote {args.json_output}")
-    if not args.no_plot and plot(report, args.plot_output):
-        log(f"wrote {args.plot_output}")
-    print(summary_table(report))
+    common.write_report(args, report, summary_table, plot)
     return 0
 
 

@@ -50,6 +50,8 @@ from common import (
     EMBEDDED_CONFIGS,
     RESULTS,
     BenchModel,
+    add_output_arguments,
+    bench_parser,
     check_outputs,
     replace_file,
     resolve_bench_model,
@@ -221,10 +223,8 @@ def machine() -> dict:
 
 def build_parser() -> argparse.ArgumentParser:
     positive = int_at_least(1)
-    p = argparse.ArgumentParser(
-        prog="bench-tensor-parallel",
-        description="Tensor parallelism on one machine: 1 rank against N ranks.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    p = bench_parser(
+        "bench-tensor-parallel", "Tensor parallelism on one machine: 1 rank against N ranks."
     )
     p.add_argument(
         "--model", choices=sorted(EMBEDDED_CONFIGS), default="qwen3-0.6b", help="model shape"
@@ -237,12 +237,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=positive, default=512, help="tokens cached before decode")
     p.add_argument("--decode-steps", type=positive, default=32)
     p.add_argument("--repeats", type=positive, default=3, help="prefill passes measured")
-    p.add_argument(
-        "--json-output",
-        type=Path,
-        default=None,
-        help="default: benches/results/tensor-parallel-<model>[-<n>layers].json",
-    )
+    add_output_arguments(p, "tensor-parallel-<model>[-<n>layers].json")
     p.add_argument("--worker-ranks", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
     return p

@@ -5,20 +5,26 @@ A trace is a list of prompts as token ids and an output budget per request. A ru
 whole trace to `batch_generate` at once (every request arrives at time 0) with
 `max_new_tokens` = the budgets and `ignore_eos=True`, so that every request generates exactly
 its budget and every scheduler setting does the same work.
+
+Also what the benchmarks on committed trace files share (prefix_cache, speculative): reading and
+checking such a file, writing a new one, and the tokenizer mlx-lm gets for prompts of ids.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from common import BenchModel, canonical_json, summarize
+from common import BenchModel, canonical_sha256, log, replace_file, summarize
 
 from tiny_llm_support.batch_recorder import BatchRecorder
 
@@ -26,21 +32,27 @@ WARMUP_OUTPUT_BUDGET = 4
 
 
 class WrongOutput(RuntimeError):
-    """The solution's batch_generate did not generate exactly the budgets it was given."""
+    """A run did not generate what it was asked for: a request lost or duplicated, or not
+    exactly its budget of tokens."""
+
+
+class TraceContent:
+    """For a dataclass whose fields are a whole trace: to_dict() for a report's JSON and a
+    run's spec (Trace(**d) makes it again), sha256() to name that content."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def sha256(self) -> str:
+        return canonical_sha256(self.to_dict())
 
 
 @dataclass
-class Trace:
+class Trace(TraceContent):
     """Prompts as token ids, and how many tokens each request must generate."""
 
     prompts: list[list[int]]
     output_budgets: list[int]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"prompts": self.prompts, "output_budgets": self.output_budgets}
-
-    def sha256(self) -> str:
-        return hashlib.sha256(canonical_json(self.to_dict()).encode("ascii")).hexdigest()
 
     @property
     def prompt_tokens(self) -> int:
@@ -117,6 +129,23 @@ class NoTextTokenizer:
 
     def detokenizer(self) -> _NoText:
         return _NoText()
+
+
+class IdsOnlyTokenizer:
+    """What mlx-lm's TokenizerWrapper and its naive detokenizer use of a Hugging Face
+    tokenizer, for prompts that are token ids already: no vocabulary (so no thinking tokens),
+    no chat template, no EOS of its own (the wrapper is given the EOS ids, if any), and every
+    id decodes to no text."""
+
+    chat_template = None
+    eos_token_id = None
+    clean_up_tokenization_spaces = False
+
+    def get_vocab(self) -> dict[str, int]:
+        return {}
+
+    def decode(self, ids, **kwargs) -> str:
+        return ""
 
 
 class _NoText:
@@ -301,3 +330,53 @@ def raw_times(rec: BatchRecorder, n: int) -> dict[str, list[float | None]]:
 
 def _rounded(values: Sequence[float | None]) -> list[float | None]:
     return [None if v is None else round(v, 6) for v in values]
+
+
+# --- committed trace files ---------------------------------------------------------------
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be used; the message says why."""
+
+
+def read_trace_file(path: Path, schema: str) -> tuple[dict[str, Any], str]:
+    """A trace file's JSON object, of `schema`, and the SHA-256 of the file's bytes."""
+    try:
+        raw = path.read_bytes()
+        data = json.loads(raw)
+    except (OSError, ValueError) as e:
+        raise TraceError(f"cannot read the trace {path}: {e}") from None
+    if not isinstance(data, dict) or data.get("schema") != schema:
+        raise TraceError(f"{path} is not a trace of schema {schema}")
+    return data, hashlib.sha256(raw).hexdigest()
+
+
+def check_max_tokens(path: Path, data: dict[str, Any]) -> None:
+    """A trace file's max_tokens (every answer's budget) must be an integer >= 1."""
+    max_tokens = data.get("max_tokens")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise TraceError(f"{path}: 'max_tokens' must be an integer >= 1")
+
+
+def is_committed_trace(
+    p: argparse.ArgumentParser, path: Path, sha: str, committed: tuple[Path, str], remake: str
+) -> bool:
+    """Whether the trace file at `path` (bytes of SHA-256 `sha`) is the committed one,
+    `committed` = (its path, its SHA-256); argparse's error when it is but its bytes changed, so
+    that results under one name always come from the same trace. `remake` says how to make
+    it again."""
+    committed_path, committed_sha = committed
+    is_committed = path.resolve() == committed_path
+    if is_committed and sha != committed_sha:
+        p.error(
+            f"{path} has SHA-256 {sha}, the committed trace has {committed_sha}: the trace file "
+            f"changed ({remake} and update DEFAULT_TRACE_SHA256 together)"
+        )
+    return is_committed
+
+
+def write_trace_file(path: Path, text: str) -> None:
+    """A new trace file (ASCII), and a line with its SHA-256 (for DEFAULT_TRACE_SHA256)."""
+    replace_file(path, text, encoding="ascii")
+    sha = hashlib.sha256(text.encode("ascii")).hexdigest()
+    log(f"wrote {path}: sha256 {sha}")

@@ -84,6 +84,25 @@ def find_chromium(given: str | None) -> str | None:
     return next(filter(None, map(shutil.which, CHROMIUM_NAMES)), None)
 
 
+def watch(page, base: str, problems: list[str]) -> None:
+    """Record a page's console errors and uncaught exceptions in problems, and refuse (and
+    record) every request that leaves base: the pages must work offline."""
+    page.on(
+        "console",
+        lambda m: problems.append(f"console error: {m.text}") if m.type == "error" else None,
+    )
+    page.on("pageerror", lambda error: problems.append(f"uncaught: {error}"))
+
+    def local_only(route, request):
+        if request.url.startswith(base):
+            route.continue_()
+        else:
+            problems.append(f"request to another site: {request.url}")
+            route.abort()
+
+    page.route("**/*", local_only)
+
+
 def check_pages(chromium: str, base: str, pages: list[str], shots: Path | None) -> dict:
     """page -> list of problems; also prints one line per page."""
     from playwright.sync_api import sync_playwright
@@ -94,28 +113,13 @@ def check_pages(chromium: str, base: str, pages: list[str], shots: Path | None) 
         for name in pages:
             page = browser.new_page()
             problems: list[str] = []
-            page.on(
-                "console",
-                lambda msg, out=problems: (
-                    out.append(f"console error: {msg.text}") if msg.type == "error" else None
-                ),
-            )
-            page.on("pageerror", lambda err, out=problems: out.append(f"uncaught: {err}"))
+            watch(page, base, problems)
 
             def failed(request, out=problems):
-                if request.url.startswith(base):  # the others were blocked on purpose, below
+                if request.url.startswith(base):  # the others were blocked on purpose, in watch
                     out.append(f"request failed: {request.url} ({request.failure})")
 
             page.on("requestfailed", failed)
-
-            def local_only(route, request, out=problems):
-                if request.url.startswith(base):
-                    route.continue_()
-                else:
-                    out.append(f"request to another site: {request.url}")
-                    route.abort()
-
-            page.route("**/*", local_only)
             response = page.goto(base + name, wait_until="networkidle")
             if response is None or response.status != 200:
                 problems.append(f"HTTP {response.status if response else 'no response'}")

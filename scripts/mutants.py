@@ -138,6 +138,7 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
     env["TINY_LLM_REQUIRE_RANKS"] = "1"  # a two-rank test that cannot start fails, never passes
     cmd = [sys.executable, "-m", "pytest", str(TESTS / f"test_week_{week}_day_{day}.py")]
     cmd += ["--impl=student", "-x", "-q", "-p", "no:cacheprovider"]
+    cmd += ["-p", "no:hypothesispytest"]  # 2 s of start-up per mutant; no day's tests use it
     start = time.monotonic()
     try:
         done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, timeout=timeout)
@@ -149,6 +150,48 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
     mutant.seconds = round(time.monotonic() - start, 1)
     shutil.rmtree(package.parent, ignore_errors=True)
     return mutant
+
+
+def keyed(mutants: list) -> dict:
+    """(module, line, what, n) -> mutant, n counting the same change twice on one line."""
+    out = {}
+    for m in mutants:
+        module, line, what = (m["module"], m["line"], m["what"]) if isinstance(m, dict) else (
+            m.module, m.line, m.what)  # fmt: skip
+        n = sum(k[:3] == (module, line, what) for k in out)
+        out[(module, line, what, n)] = m
+    return out
+
+
+def rerun_survivors(path: Path, args) -> int:
+    """Run again only the mutants that survived in the results at `path` (after a new test),
+    and write the file back with their new outcomes."""
+    old = json.loads(path.read_text(encoding="utf-8"))
+    days = {tuple(map(int, row["day"].split("."))) for row in old["days"]}
+    fresh = keyed(make_mutants(days))
+    runs = keyed(old["mutants"])
+    again = [fresh[k] for k, m in runs.items() if m["outcome"] == "survived" and k in fresh]
+    missing = [k for k, m in runs.items() if m["outcome"] == "survived" and k not in fresh]
+    if missing:
+        print(f"error: {path}: the reference changed since that run ({missing[0]}): run it anew")
+        return 1
+    print(f"mutants: {len(again)} survivors of {path.name} run again", flush=True)
+    with tempfile.TemporaryDirectory(prefix="tiny-llm-mutants-") as tmp:
+        with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+            for m in pool.map(lambda m: run_mutant(m, Path(tmp), args.timeout), again):
+                print(f"  {m.module}:{m.line} {m.what}: {m.outcome}")
+    for k, m in keyed(again).items():
+        runs[k].update(outcome=m.outcome, seconds=m.seconds)
+    mutants = [Mutant(**{**m, "day": tuple(m["day"]), "text": ""}) for m in runs.values()]
+    why = {row["day"]: row.get("survivors_why", {}) for row in old["days"]}
+    old["days"] = day_table(mutants)
+    for row in old["days"]:  # keep the reasons of those still alive
+        row["survivors_why"] = {
+            s: why[row["day"]][s] for s in row["survivors"] if s in why[row["day"]]
+        }
+    path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
 
 
 def day_table(mutants: list[Mutant]) -> list[dict]:
@@ -180,7 +223,15 @@ def main() -> int:
     p.add_argument("--timeout", type=float, default=300, help="seconds per mutant's test run")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="mutants run at once")
     p.add_argument("--json-output", type=Path, help="write the results here as JSON")
+    p.add_argument(
+        "--rerun-survivors",
+        type=Path,
+        metavar="JSON",
+        help="run only the survivors of these results again and update the file",
+    )
     args = p.parse_args()
+    if args.rerun_survivors:
+        return rerun_survivors(args.rerun_survivors, args)
     if args.day is not None and args.week is None:
         p.error("--day needs --week")
     days = None

@@ -1,4 +1,4 @@
-"""What the Week 3+ day tests share: prompts of an exact token count, spies on the model, the
+"""What the Week 2+ day tests share: the check of a generation loop's arguments; prompts of an exact token count, spies on the model, the
 tokenizer and the caches, a log of on_step events, and the fault the tests inject. And for the
 tests of the demo scripts and the benchmarks: an environment with no network and nothing of the
 user's, and a benchmark module loaded by its path.
@@ -19,6 +19,18 @@ import pytest
 # Two ranks need MLX's ring backend. Where it is missing, the two-rank tests skip and say why;
 # with TINY_LLM_REQUIRE_RANKS=1 (set by .ci/run) they must run, and fail instead of skipping.
 REQUIRE_RANKS = os.environ.get("TINY_LLM_REQUIRE_RANKS") == "1"
+
+
+def assert_bad_prompts_refused(generate, model, prompt: list[int]) -> None:
+    """generate(model, tokens, max_tokens) with no prompt tokens, then with max_tokens=-1:
+    each a ValueError before any token (Week 1 Day 6 and Week 2 Day 1 call _check_prompt)."""
+    for tokens, max_tokens in (([], 4), (prompt, -1)):
+        with pytest.raises(ValueError, match="prompt has no tokens|max_tokens must be"):
+            list(generate(model, tokens, max_tokens))
+            pytest.fail(
+                f"{len(tokens)} prompt tokens, max_tokens={max_tokens}: no ValueError; call the "
+                "given _check_prompt(prompt_tokens, max_tokens) first"
+            )
 
 
 def ranks_cannot_start(reason: str):

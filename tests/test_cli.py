@@ -373,10 +373,10 @@ OUTPUT_PATHS = [
 ]  # fmt: skip
 
 
-def each(table: list) -> list:
+def each(table: list, kind: str) -> list:
     """(entry point, arguments, status, words) for every entry point a case names."""
     return [
-        pytest.param(tool, args, status, words, id=f"{tool}-{'-'.join(args)[:40]}")
+        pytest.param(tool, args, status, words, id=f"{kind}{tool}-{'-'.join(args)[:40]}")
         for tools, args, status, words in table
         for tool in tools
     ]
@@ -430,36 +430,20 @@ def refused(entry_points, capsys, good, tmp_path, tool, args, status, words) -> 
         assert word in lines[-1], f"{word!r} not in {lines[-1]!r}"
 
 
-@pytest.mark.parametrize("tool, args, status, words", each(SILENT_WRONG_ANSWERS))
-def test_silent_wrong_answers_are_refused(
-    entry_points, capsys, good, tmp_path, tool, args, status, words
-):
-    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
+BAD_INPUT = {
+    "silent-wrong-answer": SILENT_WRONG_ANSWERS,
+    "checkpoint-contents": CHECKPOINT_CONTENTS,
+    "number-mlx-cannot-take": NUMBERS_MLX_CANNOT_TAKE,
+    "wrong-exit-status": WRONG_EXIT_STATUS,
+    "output-path": OUTPUT_PATHS,
+}
 
 
-@pytest.mark.parametrize("tool, args, status, words", each(CHECKPOINT_CONTENTS))
-def test_checkpoint_contents_are_refused(
-    entry_points, capsys, good, tmp_path, tool, args, status, words
-):
-    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
-
-
-@pytest.mark.parametrize("tool, args, status, words", each(NUMBERS_MLX_CANNOT_TAKE))
-def test_numbers_mlx_cannot_take_are_refused(
-    entry_points, capsys, good, tmp_path, tool, args, status, words
-):
-    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
-
-
-@pytest.mark.parametrize("tool, args, status, words", each(WRONG_EXIT_STATUS))
-def test_wrong_exit_status_is_refused(
-    entry_points, capsys, good, tmp_path, tool, args, status, words
-):
-    refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
-
-
-@pytest.mark.parametrize("tool, args, status, words", each(OUTPUT_PATHS))
-def test_output_paths_are_refused(entry_points, capsys, good, tmp_path, tool, args, status, words):
+@pytest.mark.parametrize(
+    "tool, args, status, words",
+    [case for kind, table in BAD_INPUT.items() for case in each(table, kind + ":")],
+)
+def test_bad_input_is_refused(entry_points, capsys, good, tmp_path, tool, args, status, words):
     refused(entry_points, capsys, good, tmp_path, tool, args, status, words)
 
 

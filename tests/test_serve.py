@@ -722,8 +722,16 @@ def test_a_solution_without_the_prefix_cache_stops_at_start_up(tmp_path):
     shutil.copytree(ROOT / "src" / "tiny_llm_ref", package)
     reference = (package / "prefix_cache.py").read_text()
     (package / "prefix_cache.py").write_text(dev_tools.skeleton_module(reference, "test")[0])
+    line = unfinished_start_up(tmp_path, package, PAGED_FLAGS)
+    assert "Week 4 Day 4, Task 1" in line
+    assert line.endswith("; --no-prefix-cache serves the pages without Week 4 Day 4")
+
+
+def unfinished_start_up(tmp_path, package, flags) -> str:
+    """Start the server on the student package `package` with `flags`: it must stop before it
+    listens, with one line saying that tiny_llm is not finished yet. That line."""
     env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
-    flags = ["--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *PAGED_FLAGS]
+    flags = ["--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *flags]
     result = subprocess.run(
         [sys.executable, str(SCRIPT), "--model", MODEL, *flags],
         cwd=ROOT,
@@ -733,11 +741,10 @@ def test_a_solution_without_the_prefix_cache_stops_at_start_up(tmp_path):
         timeout=120,
     )
     assert result.returncode == 1, result.stdout + result.stderr
+    assert "serving" not in result.stdout
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: tiny_llm is not finished yet: "), lines
-    assert "Week 4 Day 4, Task 1" in lines[0]
-    assert lines[0].endswith("; --no-prefix-cache serves the pages without Week 4 Day 4")
-    assert "serving" not in result.stdout
+    return lines[0]
 
 
 # --- speculative decoding (Week 4 Day 5) ------------------------------------------------------------
@@ -912,22 +919,9 @@ def test_a_solution_without_speculation_stops_at_start_up(tmp_path):
     package = tmp_path / "student" / "tiny_llm"
     shutil.copytree(ROOT / "src" / "tiny_llm_ref", package)
     shutil.copy(ROOT / "src" / "tiny_llm" / "speculative.py", package / "speculative.py")
-    env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
-    flags = ["--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *SPEC_FLAGS]
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", MODEL, *flags],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: tiny_llm is not finished yet: "), lines
-    assert "Week 4 Day 5, Task 1" in lines[0]
-    assert lines[0].endswith("; without --speculative the server runs without Week 4 Day 5")
-    assert "serving" not in result.stdout
+    line = unfinished_start_up(tmp_path, package, SPEC_FLAGS)
+    assert "Week 4 Day 5, Task 1" in line
+    assert line.endswith("; without --speculative the server runs without Week 4 Day 5")
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from test_serve import API_KEY, MAX_SEQ_LEN, Server
@@ -156,8 +157,8 @@ def test_a_slow_client_loses_the_oldest_snapshots():
 # --- in a browser --------------------------------------------------------------------------------
 
 
-def chromium_or_skip() -> tuple[str, list[str]]:
-    """The system Chromium and book-check's flags for it; a skip (a failure under
+def chromium_or_skip() -> tuple[str, list[str], ModuleType]:
+    """The system Chromium, book-check's flags for it and book-check itself; a skip (a failure under
     TINY_LLM_REQUIRE_BROWSER=1) where there is none."""
     spec = importlib.util.spec_from_file_location("book_check", ROOT / "scripts" / "book-check.py")
     book_check = importlib.util.module_from_spec(spec)
@@ -172,7 +173,7 @@ def chromium_or_skip() -> tuple[str, list[str]]:
         if REQUIRE_BROWSER:
             pytest.fail(f"{problem} (TINY_LLM_REQUIRE_BROWSER=1: the browser test must run)")
         pytest.skip(f"the browser test needs a browser: {problem}")
-    return chromium, book_check.CHROMIUM_FLAGS
+    return chromium, book_check.CHROMIUM_FLAGS, book_check
 
 
 # Runs in the page: remembers every state the slot table shows, however briefly.
@@ -186,7 +187,7 @@ WATCH_SLOTS = """() => {
 
 
 def test_the_page_in_a_browser(live):
-    chromium, flags = chromium_or_skip()
+    chromium, flags, book_check = chromium_or_skip()
     from playwright.sync_api import sync_playwright
 
     base = f"http://127.0.0.1:{live.port}/"
@@ -195,17 +196,7 @@ def test_the_page_in_a_browser(live):
         browser = p.chromium.launch(executable_path=chromium, args=flags)
         try:
             page = browser.new_page()
-            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-            page.on("pageerror", lambda error: problems.append(f"uncaught: {error}"))
-
-            def local_only(route, request):
-                if request.url.startswith(base):
-                    route.continue_()
-                else:
-                    problems.append(f"request to another site: {request.url}")
-                    route.abort()
-
-            page.route("**/*", local_only)
+            book_check.watch(page, base, problems)  # errors, and no request off the server
             page.goto(base)
             page.fill("#api-key", API_KEY)  # the server has --api-key: the page asks for it
             page.click("#key-form button")

@@ -32,6 +32,12 @@ def shared_pool(impl, max_pages=None):
     return impl.TinyKvSharedPool(num_kv_heads=1, head_dim=8, page_size=PAGE, max_pages=max_pages)
 
 
+def pool_and_pages(impl, n):
+    """A fresh shared pool and n pages allocated from it."""
+    pool = shared_pool(impl)
+    return pool, [pool.allocate() for _ in range(n)]
+
+
 def ids(*values):
     return tuple(values)
 
@@ -52,8 +58,7 @@ def test_a_key_depends_on_the_entry_before_the_page(impl):
 
 def test_a_registered_page_is_found_by_its_content_only(impl):
     root = module(impl).ROOT
-    pool = shared_pool(impl)
-    a, b = pool.allocate(), pool.allocate()
+    pool, (a, b) = pool_and_pages(impl, 2)
     first = pool.register(a, root, ids(1, 2, 3, 4))
     second = pool.register(b, first, ids(5, 6, 7, 8))
     found = pool.lookup(root, ids(1, 2, 3, 4))
@@ -70,8 +75,7 @@ def test_a_registered_page_is_found_by_its_content_only(impl):
 
 def test_the_same_content_registered_twice_keeps_the_first_page(impl):
     root = module(impl).ROOT
-    pool = shared_pool(impl)
-    a, b = pool.allocate(), pool.allocate()
+    pool, (a, b) = pool_and_pages(impl, 2)
     first = pool.register(a, root, ids(1, 2, 3, 4))
     again = pool.register(b, root, ids(1, 2, 3, 4))
     assert again == first, (
@@ -88,8 +92,7 @@ def test_the_same_content_registered_twice_keeps_the_first_page(impl):
 def test_a_hash_collision_is_a_miss(impl, monkeypatch):
     mod = module(impl)
     monkeypatch.setattr(mod, "page_key", lambda parent, tokens: 12345)  # every page collides
-    pool = shared_pool(impl)
-    a, b = pool.allocate(), pool.allocate()
+    pool, (a, b) = pool_and_pages(impl, 2)
     first = pool.register(a, mod.ROOT, ids(1, 2, 3, 4))
     assert pool.lookup(mod.ROOT, ids(9, 9, 9, 9)) is None, (
         "two different token pages with the same key: lookup must compare the stored token ids "

@@ -23,6 +23,8 @@ from .basics import linear, silu
 from .quantize import QuantizedWeight
 from .tensor_parallel import keep, rank_slice
 
+Stack = mx.array | QuantizedWeight  # the experts' weights stacked [E, out, in], float or quantized
+
 
 def route(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
     """Router logits [N, E] -> the k chosen experts of each token [N, k] (int) and their
@@ -64,7 +66,7 @@ def experts_loop(
     # END TASK
 
 
-def gather_linear(x: mx.array, w: mx.array | QuantizedWeight, experts: mx.array) -> mx.array:
+def gather_linear(x: mx.array, w: Stack, experts: mx.array) -> mx.array:
     """x [M, 1, in] @ W[experts[m]].T for every m -> [M, 1, out], from stacked weights
     w [E, out, in] (float, or a QuantizedWeight and MLX's quantized kernel); experts [M] sorted."""
     if isinstance(w, QuantizedWeight):
@@ -76,12 +78,7 @@ def gather_linear(x: mx.array, w: mx.array | QuantizedWeight, experts: mx.array)
 
 
 def experts_grouped(
-    x: mx.array,
-    experts: mx.array,
-    weights: mx.array,
-    w_gate: mx.array | QuantizedWeight,
-    w_up: mx.array | QuantizedWeight,
-    w_down: mx.array | QuantizedWeight,
+    x: mx.array, experts: mx.array, weights: mx.array, w_gate: Stack, w_up: Stack, w_down: Stack
 ) -> mx.array:
     """What experts_loop computes, with the N * k (token, expert) pairs run by run_pairs: one
     gathered matmul per projection, however many experts the tokens chose."""
@@ -92,12 +89,7 @@ def experts_grouped(
 
 
 def run_pairs(
-    x: mx.array,
-    tokens: mx.array,
-    experts: mx.array,
-    w_gate: mx.array | QuantizedWeight,
-    w_up: mx.array | QuantizedWeight,
-    w_down: mx.array | QuantizedWeight,
+    x: mx.array, tokens: mx.array, experts: mx.array, w_gate: Stack, w_up: Stack, w_down: Stack
 ) -> mx.array:
     """x [N, H]; pairs: token ids and expert ids [M] -> each pair's expert SwiGLU [M, H], in
     the pairs' order. The pairs are sorted by expert first, so that each expert's weights are

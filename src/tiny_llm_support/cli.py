@@ -14,12 +14,14 @@ from types import ModuleType
 from .checkpoint import DTYPES
 from .device import NO_OPENBLAS_ENV, OPENBLAS_HINT, blas_info, openblas_path, reexec_with_openblas
 from .models import SHORTCUTS, resolve_model
+from .startup import run as run_guarded
 
 __all__ = [
     "DEVICES",
     "DTYPES",
     "DefaultsHelpFormatter",
     "SOLUTIONS",
+    "add_engine_arguments",
     "add_solution_argument",
     "cpu_hints",
     "default_dtype",
@@ -33,6 +35,7 @@ __all__ = [
     "printable",
     "ranks_problem",
     "reexec_with_openblas",
+    "run_script",
     "script_parser",
     "text",
     "unfinished_message",
@@ -79,6 +82,20 @@ def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU if any")
     add_tp_arguments(p)
     return p
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine's sizes and number type (batch-main, serve)."""
+    positive = int_at_least(1)
+    p.add_argument("--batch-size", type=positive, default=5, help="decode slots")
+    p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
+    p.add_argument("--max-seq-len", type=positive, default=512, help="prompt + answer tokens")
+    p.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        default=None,
+        help="weights and activations (default: float32 on cpu, bfloat16 on gpu)",
+    )
 
 
 def add_tp_arguments(p: argparse.ArgumentParser) -> None:
@@ -243,3 +260,10 @@ def run_main(parse_args: Callable, run: Callable, argv: list[str] | None) -> int
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def run_script(main: Callable[[], int]) -> None:
+    """A script run from the command line: with OpenBLAS where it helps, Ctrl-C and SIGTERM
+    as one line, and main()'s return value as the exit status."""
+    reexec_with_openblas()  # returns only where no restart is needed
+    sys.exit(run_guarded(main))
