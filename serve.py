@@ -133,10 +133,7 @@ def build_engine(
 
 def run(args: argparse.Namespace) -> int:
     try:
-        path = cli.model_path(args.model, args.cache_dir)
-        draft_path = settings.draft_path(args)  # one-line UsageError for an unknown draft
-    except ValueError as e:
-        raise cli.UsageError(str(e)) from e
+        path, draft_path = settings.checkpoint_paths(args)
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

@@ -4,7 +4,9 @@ A mutant is the reference with one small change inside one task body, the kind o
 student makes: a comparison one step off (< for <=), an operator swapped (+ for -, // for /),
 a small constant off by one, a statement left out. Each mutant is pasted into a copy of the
 package as `tiny_llm` and that day's tests run against it (`--impl student`, stopping at the
-first failure). A mutant is killed when a test fails, survived when every test passes. A
+first failure; a body two days write, such as 3.1's and 3.2's prefill, runs both days' tests,
+and so does a line that a later day adds to a body, marked "written in Week W Day D" at its end
+or in a comment line above it). A mutant is killed when a test fails, survived when every test passes. A
 survivor is either a test to write or a change that cannot matter (an equivalent mutant);
 the results list them so each can be looked at.
 
@@ -34,6 +36,8 @@ ROOT = Path(__file__).resolve().parent.parent
 REF = ROOT / "src" / "tiny_llm_ref"
 TESTS = ROOT / "tests"
 BEGIN = re.compile(r"# BEGIN TASK Week (\d+) Day (\d+), Task (\d+)")
+DAY = re.compile(r"Week (\d+) Day (\d+)")  # a body two days write names both
+LATER = re.compile(r"written in Week (\d+) Day (\d+)")  # a line a later day adds to a body
 END = "# END TASK"
 SWAPS = {  # operator -> what a slip turns it into
     "<": "<=", "<=": "<", ">": ">=", ">=": ">", "==": "!=", "!=": "==",
@@ -53,19 +57,23 @@ class Mutant:
     text: str  # the whole mutated module
     outcome: str = ""  # killed, survived, timeout (killed), broken (does not import)
     seconds: float = 0.0
+    tested_by: tuple = ()  # the days whose tests run: the body's day, and any other it names
 
 
-def task_lines(source: str) -> dict[int, tuple[int, int, int]]:
-    """line number -> (week, day, task) for every line inside a task body."""
-    owner, where = {}, None
+def task_lines(source: str) -> dict[int, tuple]:
+    """line number -> (week, day, task, days named by the marker) for every line of a body."""
+    owner, where, above = {}, None, ""
     for number, line in enumerate(source.splitlines(), start=1):
         found = BEGIN.search(line)
         if found:
-            where = tuple(map(int, found.groups()))
+            days = tuple((int(w), int(d)) for w, d in DAY.findall(line))
+            where = (*map(int, found.groups()), days)
         elif line.strip() == END:
             where = None
         elif where is not None:
-            owner[number] = where
+            marks = LATER.findall(line + (above if above.lstrip().startswith("#") else ""))
+            owner[number] = (*where[:3], where[3] + tuple((int(w), int(d)) for w, d in marks))
+        above = line
     return owner
 
 
@@ -111,9 +119,11 @@ def make_mutants(days: set[tuple[int, int]] | None) -> list[Mutant]:
         source = path.read_text(encoding="utf-8")
         owner = task_lines(source)
         for row, what, text in token_mutants(source, owner) + dropped_statements(source, owner):
-            week, day, task = owner[row]
+            week, day, task, named = owner[row]
             if (days is None or (week, day) in days) and compiles(text):
-                mutants.append(Mutant(path.name, row, (week, day), task, what, text))
+                mutants.append(
+                    Mutant(path.name, row, (week, day), task, what, text, tested_by=named)
+                )
     return mutants
 
 
@@ -133,10 +143,10 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
     for module in package.glob("*.py"):
         text = mutant.text if module.name == mutant.module else module.read_text()
         module.write_text(text.replace("tiny_llm_ref", "tiny_llm"), encoding="utf-8")
-    week, day = mutant.day
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package.parent), str(ROOT / "src")]))
     env["TINY_LLM_REQUIRE_RANKS"] = "1"  # a two-rank test that cannot start fails, never passes
-    cmd = [sys.executable, "-m", "pytest", str(TESTS / f"test_week_{week}_day_{day}.py")]
+    tests = [str(TESTS / f"test_week_{w}_day_{d}.py") for w, d in mutant.tested_by]
+    cmd = [sys.executable, "-m", "pytest", *tests]
     cmd += ["--impl=student", "-x", "-q", "-p", "no:cacheprovider"]
     cmd += ["-p", "no:hypothesispytest"]  # 2 s of start-up per mutant; no day's tests use it
     start = time.monotonic()
@@ -170,19 +180,21 @@ def rerun_survivors(path: Path, args) -> int:
     days = {tuple(map(int, row["day"].split("."))) for row in old["days"]}
     fresh = keyed(make_mutants(days))
     runs = keyed(old["mutants"])
-    again = [fresh[k] for k, m in runs.items() if m["outcome"] == "survived" and k in fresh]
-    missing = [k for k, m in runs.items() if m["outcome"] == "survived" and k not in fresh]
+    alive = [k for k, m in runs.items() if m["outcome"] == "survived"]
+    missing = [k for k in alive if k not in fresh]
     if missing:
         print(f"error: {path}: the reference changed since that run ({missing[0]}): run it anew")
         return 1
-    print(f"mutants: {len(again)} survivors of {path.name} run again", flush=True)
+    print(f"mutants: {len(alive)} survivors of {path.name} run again", flush=True)
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutants-") as tmp:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            for m in pool.map(lambda m: run_mutant(m, Path(tmp), args.timeout), again):
+            again = pool.map(lambda k: run_mutant(fresh[k], Path(tmp), args.timeout), alive)
+            for k, m in zip(alive, again):
                 print(f"  {m.module}:{m.line} {m.what}: {m.outcome}")
-    for k, m in keyed(again).items():
-        runs[k].update(outcome=m.outcome, seconds=m.seconds)
+                runs[k].update(outcome=m.outcome, seconds=m.seconds)
     mutants = [Mutant(**{**m, "day": tuple(m["day"]), "text": ""}) for m in runs.values()]
+    for m in mutants:  # results written before tested_by existed
+        m.tested_by = tuple(map(tuple, m.tested_by)) or (m.day,)
     why = {row["day"]: row.get("survivors_why", {}) for row in old["days"]}
     old["days"] = day_table(mutants)
     for row in old["days"]:  # keep the reasons of those still alive

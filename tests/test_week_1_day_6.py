@@ -7,6 +7,7 @@ distribution softmax(logits / T) cut to top-k / top-p, computed here with numpy.
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import assert_bad_prompts_refused
 from oracles import mlx_lm_greedy
 
 DRAWS = 10_000  # one draw per row of a tiled [DRAWS, V] logits array
@@ -44,8 +45,7 @@ def test_generation_stops_at_eos_and_at_max_tokens(impl, tiny_untied_ckpt):
 
     assert [int(t) for t in impl.simple_generate(model, prompt, max_tokens=5)] == free[:5]
     assert list(impl.simple_generate(model, prompt, max_tokens=0)) == []
-    with pytest.raises(ValueError):
-        list(impl.simple_generate(model, [], max_tokens=4))
+    assert_bad_prompts_refused(impl.simple_generate, model, prompt)
 
 
 def test_generation_uses_the_sampler_on_the_last_position(impl, tiny_gqa_ckpt):
@@ -152,6 +152,18 @@ def test_keep_top_p_masks_exactly_outside_the_nucleus(impl):
                 got, want, err_msg=f"top_p={top_p}, row {row}: the set of kept tokens"
             )
             np.testing.assert_allclose(kept[row][got], np.array(logits[row])[got], atol=1e-6)
+
+
+def test_keep_top_p_stops_as_soon_as_the_mass_reaches_top_p(impl):
+    """Four tokens of probability 1/4 each (exact in floating point): top_p = 0.5 keeps two,
+    whose mass is exactly 0.5. A third token is kept only by a `<=` where `<` belongs: a token
+    is kept when the tokens ranked above it hold less than top_p, not when they hold exactly
+    top_p (the set already reached it)."""
+    kept = np.array(impl.keep_top_p(mx.zeros((1, 4)), 0.5))
+    assert np.isfinite(kept).sum() == 2, (
+        f"kept {np.isfinite(kept).sum()} of four equally likely tokens for top_p=0.5; two reach it "
+        "(keep a token while the probability ranked above it is < top_p, not <=)"
+    )
 
 
 def test_top_k_top_p_and_temperature_together(impl):

@@ -8,6 +8,7 @@ its own KV cache serves as a second, independent oracle.
 import mlx.core as mx
 import numpy as np
 import pytest
+from helpers import assert_bad_prompts_refused
 from mlx_lm.models.cache import make_prompt_cache
 from oracles import mlx_lm_model
 
@@ -122,6 +123,30 @@ def test_attend_appends_then_attends_over_the_whole_cache(impl, tiny_gqa_ckpt):
     assert cache.offset == 4, "attend appends the new keys/values to the cache"
 
 
+def test_attend_uses_the_mask_the_cache_returns(impl, tiny_gqa_ckpt):
+    """A cache may return a mask of its own from update_and_fetch (Week 3's batching cache masks
+    each row's padding that way); attend must use it instead of the model's."""
+    c = tiny_gqa_ckpt.config
+    attention = impl.Qwen3Model(tiny_gqa_ckpt).layers[0].self_attn
+    h, h_kv, d = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    hide_first = mx.array([[-np.inf, 0.0, 0.0, 0.0]])  # [1, S=4]: key 0 is padding
+
+    class MaskingCache(impl.TinyKvFullCache):
+        def update_and_fetch(self, key, value):
+            keys, values, _ = super().update_and_fetch(key, value)
+            return keys, values, hide_first[:, : keys.shape[2]]
+
+    cache = MaskingCache()
+    k1, v1 = random_kv((1, h_kv, 3, d), 7)
+    cache.update_and_fetch(k1, v1)
+    q = random_kv((1, h, 1, d), 6)[0]
+    k2, v2 = random_kv((1, h_kv, 1, d), 8)
+    got = attention.attend(q, k2, v2, cache, None)
+    keys, values = mx.concatenate([k1, k2], axis=2), mx.concatenate([v1, v2], axis=2)
+    want = mx.fast.scaled_dot_product_attention(q, keys, values, scale=d**-0.5, mask=hide_first)
+    assert_close(got, want, "the cache returned a mask (key 0 hidden): attend must use it")
+
+
 # --- Task 3: the model forward pass --------------------------------------------------------
 
 
@@ -230,6 +255,7 @@ class SpyModel:
         self.model = model
         self.num_hidden_layers = model.num_hidden_layers
         self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.kept: list[int | None] = []  # logits_to_keep of each call
         self.caches: list[list] = []
 
     def create_kv_cache(self):
@@ -239,6 +265,7 @@ class SpyModel:
 
     def __call__(self, tokens, offset, cache, logits_to_keep=None):
         self.calls.append((tuple(tokens.shape), offset))
+        self.kept.append(logits_to_keep)
         return self.model(tokens, offset, cache, logits_to_keep=logits_to_keep)
 
 
@@ -254,6 +281,11 @@ def test_generate_with_kv_cache_matches_simple_generate(impl, tiny_ckpt):
     assert spy.calls[0] == ((1, p), 0), "the first call is the whole prompt at offset 0"
     assert spy.calls[1:] == [((1, 1), p + i) for i in range(DECODE_STEPS - 1)], (
         "every later call feeds only the newest token at its position"
+    )
+    assert set(spy.kept) == {1}, (
+        f"logits_to_keep of each call: {sorted(set(spy.kept), key=str)}; pass logits_to_keep=1: "
+        "the loop samples from the last row only, and without it the prompt's call computes the "
+        "output head for every prompt position"
     )
     assert len(spy.caches) == 1, "one set of caches per generation (create_kv_cache once)"
     assert all(layer_cache.offset == 0 for layer_cache in spy.caches[0]), (
@@ -274,3 +306,4 @@ def test_generate_with_kv_cache_stops_at_eos(impl, tiny_gqa_ckpt):
     assert list(impl.simple_generate_with_kv_cache(spy, tokens, max_tokens=0)) == [], (
         "max_tokens=0 yields nothing"
     )
+    assert_bad_prompts_refused(impl.simple_generate_with_kv_cache, spy, tokens)

@@ -6,6 +6,8 @@ single token. Prompts are prefilled whole here (prefill_step far above any promp
 chunked prefill is Week 3 Day 2.
 """
 
+from collections import defaultdict
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -89,6 +91,10 @@ def test_add_and_remove_request_guard_slots(impl):
         batch.add_request(impl.TinyKvFullCache(), 3)  # no such slot
     with pytest.raises(ValueError):
         batch.remove_request(1)  # empty
+    for slot in (3, -1):  # no such slot: a ValueError, not an IndexError or the last slot
+        with pytest.raises(ValueError):
+            batch.remove_request(slot)
+            pytest.fail(f"remove_request({slot}) of 3 slots: refuse a slot outside 0..2")
     assert batch.active_slots == [0, 2], "a refused add/remove must not change the slots"
     assert batch.remove_request(2) is first, "remove_request returns the cache the slot held"
     assert batch.active_slots == [0], "remove_request empties the slot"
@@ -312,6 +318,26 @@ def test_slots_are_refilled_as_requests_finish(impl, model, tokenizer, oracle):
     decoded = sum(len(oracle(p)) - 1 for p in prompts)  # the first token comes from prefill
     assert sum(proxy.decode_batch_sizes) == decoded, "one decoded row per generated token"
     assert proxy.count("decode") < decoded, "decode steps must batch rows, not run one by one"
+
+
+def test_prefill_events_count_the_rows_of_each_chunk(impl, model, tokenizer):
+    """Prompts prefilled 4 tokens at a time: each "prefill" event carries the rows its chunk
+    ran, so a prompt's events add up to its length."""
+    log = StepLog()
+    impl.batch_generate(
+        model, tokenizer, PROMPTS[:3], max_seq_len=MAX_SEQ_LEN, batch_size=2, prefill_step=4,
+        on_step=log,
+    )  # fmt: skip
+    prefilled, prompt_lengths = defaultdict(int), {}
+    for step in log.events:
+        if step.kind == "prefill":
+            prefilled[step.request.prompt_idx] += step.tokens
+            prompt_lengths[step.request.prompt_idx] = len(step.request.prompt_tokens)
+    assert max(prompt_lengths.values()) > 8, "a prompt of several chunks (test setup)"
+    assert dict(prefilled) == prompt_lengths, (
+        f"prefill events count {dict(prefilled)} rows per prompt, the prompts hold "
+        f"{prompt_lengths} tokens: report the rows each chunk ran (request.offset - before)"
+    )
 
 
 def test_eos_on_the_first_token_finishes_without_decoding(impl, model, tokenizer, oracle):

@@ -268,6 +268,21 @@ def test_hybrid_events_carry_the_number_of_their_pass(traced):
             )
 
 
+def test_every_decode_row_is_reported(traced):
+    """Each pass with decode rows reports one "decode" event with their number, so the decode
+    events of a run add up to every token generated after a request's first (which its last
+    prefill chunk gave)."""
+    _, events, _ = traced
+    reported = sum(step.tokens for step, _ in events if step.kind == "decode")
+    finished = [step.request for step, _ in events if step.kind == "finish"]
+    decoded = sum(len(request.generated) - 1 for request in finished)
+    assert reported == decoded, (
+        f"the decode events count {reported} rows, the requests decoded {decoded} tokens after "
+        'their first: after a pass with decode rows, scheduler.report("decode", None, '
+        "len(decoding)) (the views and benchmarks count decode steps from these events)"
+    )
+
+
 def test_each_request_gets_the_token_of_its_own_segment(traced):
     """forward_ragged returns one logits row per segment, in the order of the segments: each
     decoding request (and each prompt finished by its chunk) takes the token of its own row."""

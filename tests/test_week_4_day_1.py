@@ -231,6 +231,14 @@ def test_dequantize_refuses_mismatched_shapes(impl):
         impl.dequantize(codes, scales[:, :1], biases[:, :1], 64, 4)
     with pytest.raises(ValueError):
         impl.dequantize(codes, scales, biases, 32, 4)  # 32-value groups need 4 scales a row
+    for group_size, bits, groups in ((16, 4, 8), (32, 5, 3)):  # 16 x 8 and 32 x 3 values a row
+        fitting = mx.zeros((8, groups))  # scales and biases of the shape that format would have
+        with pytest.raises(ValueError):
+            impl.dequantize(codes, fitting, fitting, group_size, bits)
+            pytest.fail(
+                f"dequantize(group_size={group_size}, bits={bits}) ran: a format MLX does not "
+                "have must be refused first (the given check_quant_format), as in quantize"
+            )
 
 
 # --- Tasks 3 and 4: a quantized weight ----------------------------------------------------------

@@ -127,9 +127,42 @@ def test_a_page_no_table_holds_stays_cached_until_an_allocation_needs_it(impl):
     assert pool.can_allocate(3), "cached pages count as free: an allocation can evict them"
     assert pool.lookup(root, ids(1, 1, 1, 1)).page == a, "a cached page can still be found"
     assert pool.allocate() == c, "allocation must take a free page before evicting a cached one"
+    handed_out = pool.num_allocations
     assert pool.allocate() == a, "then the least recently used cached page (a was freed first)"
+    assert pool.num_allocations == handed_out + 1, (
+        "an evicted page handed out again counts in num_allocations like a free one"
+    )
     assert pool.lookup(root, ids(1, 1, 1, 1)) is None, "an evicted page leaves the index"
     assert pool.lookup(root, ids(2, 2, 2, 2)).page == b
+
+
+def test_peak_in_use_counts_pages_however_a_table_took_them(impl):
+    """peak_in_use: the most pages page tables held at once, whether a page came free, was
+    evicted from the LRU or was taken cached (hold): each path updates it."""
+    root = module(impl).ROOT
+    pool, (a, b) = pool_and_pages(impl, 2)
+    assert pool.peak_in_use == 2, f"two pages allocated: peak_in_use {pool.peak_in_use}, want 2"
+    pool.register(a, root, ids(1, 1, 1, 1))
+    pool.register(b, root, ids(2, 2, 2, 2))
+    pool.free(a)
+    pool.free(b)  # both cached, none in use
+    pool.allocate()
+    pool.hold(a)
+    pool.hold(b)
+    assert pool.num_in_use == 3 and pool.peak_in_use == 3, (
+        f"a new page and two cached pages taken with hold(): peak_in_use {pool.peak_in_use}, "
+        "want 3 (update it in hold too)"
+    )
+    small = shared_pool(impl, max_pages=2)
+    c = small.allocate()
+    small.register(c, root, ids(3, 3, 3, 3))
+    small.free(c)  # cached
+    small.allocate()  # the free page
+    small.allocate()  # evicts c
+    assert small.peak_in_use == 2, (
+        f"a free page, then one evicted from the LRU: peak_in_use {small.peak_in_use}, want 2 "
+        "(update it on the eviction path of allocate too)"
+    )
 
 
 def test_a_held_page_is_never_evicted(impl):
@@ -395,6 +428,27 @@ def test_admission_counts_only_the_pages_a_prompt_takes_anew(impl, model, tokeni
     assert cached(events)[1] == 16
     off, _, _ = engine_for(impl, model, tokenizer, False, policy, max_pages=9, batch_size=2)
     assert got == serve_greedy(off, [first, second], [8, 4])
+
+
+def test_a_prompt_cached_to_its_end_still_takes_its_last_page_anew(impl, model, tokenizer):
+    """A prompt of whole pages, all of them held by a running request: its last token is
+    computed again (its logits give the first token), so admission counts its last page as
+    new, found pages end one token before the prompt does (cached_prefix's limit)."""
+    pools = model.create_kv_pools(page_size=PAGE, prefix_cache=True)
+    prompt = chat(random.Random(9), 4 * PAGE)
+    first = impl.Request(model, tokenizer, prompt, pools=pools)
+    while not first.is_prefill_done:
+        first.try_prefill()
+    second = impl.Request(model, tokenizer, prompt, pools=pools)
+    try:
+        assert impl.tokens_to_admit(second) == PAGE, (
+            f"tokens_to_admit of a {4 * PAGE}-token prompt whose {4} pages a running request "
+            f"holds: {impl.tokens_to_admit(second)}, want {PAGE}: look for cached pages among the "
+            "first len(tokens) - 1 tokens only; the last page is prefilled anew"
+        )
+    finally:
+        first.release()
+        second.release()
 
 
 def test_engine_reports_cached_tokens(impl, model, tokenizer):

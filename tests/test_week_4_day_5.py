@@ -19,6 +19,7 @@ import math
 import random
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from helpers import assert_all_pages_free, serve_greedy
 
@@ -56,9 +57,49 @@ def test_a_draft_with_another_vocabulary_is_refused(impl, model, tmp_path):
         impl.DraftModel(impl.Qwen3Model(other), model)
 
 
+def test_a_greedy_draft_guesses_its_own_greedy_continuation(impl, model, tokenizer):
+    """The target as its own draft, greedy: the guesses are the model's greedy continuation,
+    each guess run through the draft to get the next one's logits."""
+    prompt = [5, 9, 13, 200, 44, 7]
+    cache, inputs, want = model.create_kv_cache(), prompt, []
+    for _ in range(3):
+        logits = model(mx.array([inputs]), cache[0].offset, cache, logits_to_keep=1)
+        want.append(mx.argmax(logits[0, -1]).item())
+        inputs = want[-1:]
+    assert len(set(want)) > 1, f"the continuation {want} should not repeat one token (test setup)"
+    request = impl.Request(model, tokenizer, prompt)
+    draft = impl.DraftModel(model, model, 3).propose(request, 3)
+    assert draft.tokens == want, (
+        f"guesses {draft.tokens}, the model's greedy continuation {want}: after each guess, run "
+        "it through the draft (at its cache's offset) and take the argmax of those logits"
+    )
+    request.release()
+
+
+def test_a_sampled_draft_returns_the_probabilities_of_its_guesses(impl, model, tokenizer):
+    """For a request that samples, DraftModel.propose draws each guess from the draft's own
+    sampling probabilities and returns them: Draft.probs [k, V], each row a distribution
+    that gives its guess a chance. The accept rule needs q; without it a guess counts as a
+    point mass and the output distribution is no longer the target's."""
+    params = impl.SamplingParams(temperature=0.8, seed=5)
+    request = impl.Request(model, tokenizer, list(range(3, 12)), sampling=params)
+    draft = impl.DraftModel(model, model, 3).propose(request, 3)
+    assert draft.probs is not None, (
+        "a sampled request's draft has no probs: return Draft(tokens, probs) with the "
+        "probabilities each guess was drawn from"
+    )
+    probs = np.array(draft.probs)
+    assert probs.shape == (3, model.config.vocab_size), f"Draft.probs {probs.shape}: [k, V]"
+    np.testing.assert_allclose(probs.sum(axis=-1), 1.0, atol=1e-4, err_msg="rows of q")
+    chances = [float(probs[i, token]) for i, token in enumerate(draft.tokens)]
+    assert min(chances) > 0, f"q of each guess {chances}: a guess must come from its own row"
+    request.release()
+
+
 # --- Task 2: greedy acceptance -------------------------------------------------------------------
 
 
+@pytest.mark.timeout(30)  # a loop that never advances fails here, not after 300 s
 def test_greedy_acceptance_keeps_the_agreeing_prefix(impl):
     assert impl.accept_greedy([5, 6, 7, 8], [5, 6, 9]) == [5, 6, 7], (
         "guesses 5 and 6 agree with the model, 9 does not: keep 5, 6, then the model's 7"
@@ -231,6 +272,13 @@ def test_greedy_speculation_generates_the_plain_tokens(
         )
         if engine_pools:
             assert_all_pages_free(engine_pools, f"{name}: every request has ended")
+        if name == "draft-same-k4":  # the target as its own draft guesses its greedy tokens
+            assert proposer.accepted >= 0.8 * proposer.proposed, (
+                f"{cache} caches, batch {batch_size}: the target model as its own draft had "
+                f"{proposer.accepted} of {proposer.proposed} greedy guesses accepted (the "
+                "reference: all): DraftModel.propose must take the argmax of the last row of "
+                "each draft call's logits, the newest token's"
+            )
     assert proposer.proposed > 0, "the proposers were meant to guess (test setup)"
 
 
@@ -304,6 +352,24 @@ class Oracle:
 
     def forget(self, live):
         pass
+
+
+def test_decode_events_count_every_token_a_pass_generates(impl, model, tokenizer, prompts):
+    """A pass that keeps several tokens per request reports them all in its "decode" event,
+    so the events add up to every token generated after a request's first."""
+    events = []
+    engine = make_engine(
+        impl, model, tokenizer, impl.PromptLookup(4), batch_size=2, on_step=events.append
+    )
+    got = serve_greedy(engine, prompts, 14)
+    reported = sum(e.tokens for e in events if e.kind == "decode")
+    decoded = sum(len(tokens) - 1 for tokens in got.values())
+    assert engine.stats()["tokens_accepted"] > 0, "prompt lookup was meant to guess (test setup)"
+    assert reported == decoded, (
+        f"the decode events count {reported} tokens, the requests decoded {decoded} after "
+        "their first: keep_checked returns the tokens generated (kept guesses and the model's "
+        "own), which the pass reports"
+    )
 
 
 def test_acceptance_counters_are_exact(impl, model, tokenizer, prompts):

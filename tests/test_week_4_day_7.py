@@ -58,6 +58,10 @@ def band(L, S, window) -> np.ndarray:
 def test_window_mask_sees_each_query_and_the_window_before_it(impl, L, S, window):
     with pytest.raises(ValueError):
         impl.window_mask(L, S, 0)  # a window holds at least the query's own position
+    for bad_l in (0, S + 1):
+        with pytest.raises(ValueError):
+            impl.window_mask(bad_l, S, window)
+            pytest.fail(f"window_mask({bad_l}, {S}, {window}): refuse L < 1 and S < L")
     got = np.array(impl.window_mask(L, S, window))
     assert got.shape == (L, S), f"window_mask({L}, {S}, {window}) must be [L, S], got {got.shape}"
     want = band(L, S, window)

@@ -334,6 +334,17 @@ def check_errors(r: Ranks) -> None:
         else:
             raise AssertionError(f"{name} of {ckpt.config} over {r.n} ranks must raise")
         assert all(a is b for a, b in zip(model.layers, layers)), "a failed shard() changed layers"
+    attn = r.impl.Qwen3Model(r.ckpt_kv1).layers[0].self_attn  # 1 KV head, 1 * D rows of wk
+    try:
+        r.impl.TensorParallelAttention(attn, r.group)
+    except ValueError:
+        pass
+    else:
+        raise AssertionError(
+            f"TensorParallelAttention of 1 KV head over {r.n} ranks must raise ValueError (Task "
+            "2: rank_slice of both head counts); wk's H_kv * D rows divide, so without that check "
+            "each rank would keep half of a KV head's features"
+        )
     try:
         r.sharded.shard(r.group)
     except ValueError:

@@ -177,7 +177,7 @@ class Scheduler:
         if self.prefilling is None and self.pending and None in self.slots:
             self.prefilling = self.admit()
         request = self.prefilling
-        if request is not None and self.chunk_fits(request):
+        if request is not None and self.chunk_fits(request):  # written in Week 3 Day 6
             before = request.offset
             request.try_prefill()
             self.passes += 1
@@ -191,7 +191,8 @@ class Scheduler:
                     self.slots[slot] = request
                     for layer_cache, request_cache in zip(self.batch_cache, request.kv_cache):
                         layer_cache.add_request(request_cache, slot)
-        make_room(self, lambda: sum(pages_for(r, 1) for r in self.running()))  # decode first
+        # decode first: pages for every decode row (written in Week 3 Day 6)
+        make_room(self, lambda: sum(pages_for(r, 1) for r in self.running()))
         if any(self.slots):
             rows = len(self.running())
             self.passes += 1

@@ -33,7 +33,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .cli import DTYPES, UsageError, int_at_least
+from .cli import DTYPES, UsageError, int_at_least, model_path
 from .models import resolve_model
 
 POLICIES = ("alternate", "hybrid")
@@ -191,6 +191,17 @@ def check_speculative_arguments(args: argparse.Namespace) -> str | None:
     args.policy = args.policy or "hybrid"
     args.num_draft_tokens = args.num_draft_tokens or DEFAULT_DRAFT_TOKENS
     return None
+
+
+def checkpoint_paths(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """--model and the draft model of --speculative as checkpoint directories (downloaded if
+    need be): an unknown name or a missing directory is a one-line UsageError; weights neither
+    cached nor downloadable raise ModelNotAvailableError."""
+    try:
+        path = model_path(args.model, args.cache_dir)
+    except ValueError as e:
+        raise UsageError(str(e)) from e
+    return path, draft_path(args)
 
 
 def draft_path(args: argparse.Namespace) -> Path | None:
