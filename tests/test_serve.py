@@ -133,6 +133,14 @@ def strict_server(tmp_path_factory):
     s.stop()
 
 
+def typed_metrics(server, *typed: tuple[str, str]) -> str:
+    """The text of /metrics, checked to declare each (name, kind) with a # TYPE line."""
+    text = request(server.port, "GET", "/metrics")[2].decode()
+    for name, kind in typed:
+        assert re.search(rf"^# TYPE {name} {kind}$", text, re.M), f"no '# TYPE {name} {kind}'"
+    return text
+
+
 def request(port: int, method: str, path: str, body=None, headers=None, timeout: float = 60):
     """(status, headers, body bytes) of one raw HTTP request; a dict body is sent as JSON."""
     if isinstance(body, dict):
@@ -646,14 +654,14 @@ def test_prefix_cache_finds_the_shared_pages_and_answers_the_same(server, uncach
 
 
 def test_prefix_cache_metrics_are_typed(server):
-    text = request(server.port, "GET", "/metrics")[2].decode()
-    for name, kind in [
+    typed = [
         ("tiny_llm_prompt_tokens_cached_total", "counter"),
         ("tiny_llm_kv_pages_cached", "gauge"),
         ("tiny_llm_prefix_cache_hit_rate", "gauge"),
-    ]:
-        assert re.search(rf"^# TYPE {name} {kind}$", text, re.M), name
-        assert re.search(rf"^{name} \d+(\.\d+)?$", text, re.M), name
+    ]
+    text = typed_metrics(server, *typed)
+    for name, _ in typed:
+        assert re.search(rf"^{name} \d+(\.\d+)?$", text, re.M), f"{name}: no plain value"
 
 
 @pytest.fixture(scope="module")
@@ -696,14 +704,7 @@ def test_prefix_cache_in_an_unbounded_pool(serve_module, capsys, flags, words):
 
 
 def test_prefix_cache_without_pages_is_refused(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", MODEL, "--port", "0", "--prefix-cache"],
-        cwd=ROOT,
-        env=offline_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    result = serve_until_it_stops(offline_env(tmp_path), "--port", "0", "--prefix-cache")
     assert result.returncode == 2, result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
     assert "--prefix-cache shares KV pages between prompts, and dense caches have none" in last
@@ -727,18 +728,24 @@ def test_a_solution_without_the_prefix_cache_stops_at_start_up(tmp_path):
     assert line.endswith("; --no-prefix-cache serves the pages without Week 4 Day 4")
 
 
-def unfinished_start_up(tmp_path, package, flags) -> str:
-    """Start the server on the student package `package` with `flags`: it must stop before it
-    listens, with one line saying that tiny_llm is not finished yet. That line."""
-    env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
-    flags = ["--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *flags]
-    result = subprocess.run(
+def serve_until_it_stops(env: dict, *flags: str) -> subprocess.CompletedProcess:
+    """Run serve on the tiny model with `flags`, expecting it to stop before it listens."""
+    return subprocess.run(
         [sys.executable, str(SCRIPT), "--model", MODEL, *flags],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
         timeout=120,
+    )
+
+
+def unfinished_start_up(tmp_path, package, flags) -> str:
+    """Start the server on the student package `package` with `flags`: it must stop before it
+    listens, with one line saying that tiny_llm is not finished yet. That line."""
+    env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
+    result = serve_until_it_stops(
+        env, "--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *flags
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "serving" not in result.stdout
@@ -806,13 +813,12 @@ def assert_greedy_answers_as_without_speculation(s: Server, ref: Reference) -> N
 
 def spec_metrics(s: Server) -> tuple[float, float, float]:
     """(proposed, accepted, rate) from /metrics, their types checked."""
-    text = request(s.port, "GET", "/metrics")[2].decode()
-    for name, kind in [
+    typed_metrics(
+        s,
         ("tiny_llm_spec_tokens_proposed_total", "counter"),
         ("tiny_llm_spec_tokens_accepted_total", "counter"),
         ("tiny_llm_spec_acceptance_rate", "gauge"),
-    ]:
-        assert re.search(rf"^# TYPE {name} {kind}$", text, re.M), name
+    )
     m = s.metrics()
     proposed = m["tiny_llm_spec_tokens_proposed_total"]
     accepted = m["tiny_llm_spec_tokens_accepted_total"]
@@ -896,14 +902,8 @@ def test_unknown_draft_is_a_usage_error(serve_module, capsys, tmp_path, draft):
 
 def test_draft_of_another_vocabulary_is_refused_at_start_up(tmp_path):
     """tiny-random's tokenizer is not the tiny chat model's: stopped before serving."""
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT), "--model", MODEL, "--port", "0"]
-        + ["--speculative", "tiny-random"],
-        cwd=ROOT,
-        env=offline_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    result = serve_until_it_stops(
+        offline_env(tmp_path), "--port", "0", "--speculative", "tiny-random"
     )
     assert result.returncode == 2, result.stdout + result.stderr
     lines = result.stderr.strip().splitlines()
