@@ -197,10 +197,13 @@ def rerun_survivors(path: Path, args) -> int:
         m.tested_by = tuple(map(tuple, m.tested_by)) or (m.day,)
     why = {row["day"]: row.get("survivors_why", {}) for row in old["days"]}
     old["days"] = day_table(mutants)
-    for row in old["days"]:  # keep the reasons of those still alive
-        row["survivors_why"] = {
-            s: why[row["day"]][s] for s in row["survivors"] if s in why[row["day"]]
-        }
+    for row in old["days"]:  # keep the reasons of those still alive, and count again
+        known = why[row["day"]]
+        row["survivors_why"] = {s: known[s] for s in row["survivors"] if s in known}
+        same = sum(r.startswith("equivalent") for r in row["survivors_why"].values())
+        row["equivalent"] = same
+        killable = row["mutants"] - same
+        row["killed_of_non_equivalent"] = round(row["killed"] / killable, 3) if killable else None
     path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0
