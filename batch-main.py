@@ -173,10 +173,8 @@ def run(args: argparse.Namespace) -> int:
                 model,
                 tokenizer,
                 chosen.texts,
-                max_seq_len=args.max_seq_len,
-                batch_size=args.batch_size,
-                prefill_step=args.prefill_step,
                 on_step=on_step,
+                **settings.sizes(args),
                 **settings.batch_keywords(args, pools, proposer),
             )
         rec.stop()

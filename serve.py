@@ -114,12 +114,10 @@ def build_engine(
     engine = package.Engine(
         model,
         ckpt.tokenizer,
-        max_seq_len=args.max_seq_len,
-        batch_size=args.batch_size,
-        prefill_step=args.prefill_step,
         pools=pools,
         policy=args.policy,
         on_step=on_step,
+        **settings.sizes(args),
         **settings.engine_keywords(proposer),
     )
     print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")

@@ -344,6 +344,16 @@ def check_proposer(package: Any, proposer: Any, model: Any, tokenizer: Any) -> N
     spec.keep_checked([], mx.zeros((0, 1)), proposer)  # Task 4
 
 
+def sizes(args: argparse.Namespace) -> dict[str, int]:
+    """The engine's sizes (--max-seq-len, --batch-size, --prefill-step) as the keywords that
+    Engine and batch_generate both take."""
+    return {
+        "max_seq_len": args.max_seq_len,
+        "batch_size": args.batch_size,
+        "prefill_step": args.prefill_step,
+    }
+
+
 def engine_keywords(proposer: Any) -> dict[str, Any]:
     """Engine's keywords for speculation: none without it, so that a solution from before Week
     4 Day 5 still serves."""
