@@ -31,6 +31,7 @@ import math
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -761,6 +762,27 @@ def write_random_weights(model: BenchModel, tmp: Path, dtype: str) -> None:
         log(f"random weights written in {time.perf_counter() - t:.1f} s")
 
 
+def run_in_own_session(command: list[str], **popen) -> int:
+    """Run `command` in a session of its own (so Ctrl-C reaches this process alone) and wait:
+    its exit status. Ctrl-C or SIGTERM here kills it before this process cleans up, even one
+    that arrives while it starts (the signals wait until the child is known), so it never reads
+    its files after they are gone."""
+    stops = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, stops)
+    proc = None
+    try:
+        proc = subprocess.Popen(command, start_new_session=True, **popen)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+        return proc.wait()
+    except BaseException:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+        raise
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
 def run_fresh(script: Path, tmp: Path, k: int, total: int, env: dict, spec: dict, what: str):
     """Run one measurement in a fresh process (`script --child-spec FILE`, which writes its
     JSON to spec["output"]) and return that JSON with process_s, the time the whole process
@@ -769,19 +791,17 @@ def run_fresh(script: Path, tmp: Path, k: int, total: int, env: dict, spec: dict
     spec_path, out_path = tmp / f"run-{k}.json", tmp / f"result-{k}.json"
     spec_path.write_text(json.dumps({**spec, "sequence": k, "output": str(out_path)}))
     t = time.perf_counter()
-    proc = subprocess.run(
+    status = run_in_own_session(
         [sys.executable, str(script), "--child-spec", str(spec_path)],
         env=env,
         stdout=subprocess.DEVNULL,
-        start_new_session=True,  # Ctrl-C reaches this process alone, which stops the run
     )
     elapsed = time.perf_counter() - t
-    if proc.returncode == EXIT_REPORTED:
+    if status == EXIT_REPORTED:
         raise SystemExit(1)  # the run said what went wrong, on one line
-    if proc.returncode != 0:
+    if status != 0:
         raise SystemExit(
-            f"run {k + 1}/{total} ({what}) failed with exit status {proc.returncode}; "
-            "its error is above"
+            f"run {k + 1}/{total} ({what}) failed with exit status {status}; its error is above"
         )
     run = json.loads(out_path.read_text())
     run["process_s"] = elapsed

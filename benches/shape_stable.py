@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -293,13 +292,11 @@ def main(argv: list[str] | None = None) -> int:
             spec_path = Path(tmp) / f"spec-{k}.json"
             spec_path.write_text(json.dumps(spec))
             t = time.perf_counter()
-            proc = subprocess.run(
-                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)],
-                env=env,
-                start_new_session=True,  # Ctrl-C reaches this process alone, which stops it
+            status = common.run_in_own_session(
+                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)], env=env
             )
-            if proc.returncode:
-                raise SystemExit(f"{config} failed with exit status {proc.returncode}")
+            if status:
+                raise SystemExit(f"{config} failed with exit status {status}")
             out = json.loads(Path(spec["output"]).read_text())
             log(f"[{k + 1}/{len(jobs)}] {config}: {time.perf_counter() - t:.1f} s")
             if config == "speeds":

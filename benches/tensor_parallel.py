@@ -32,7 +32,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,6 +54,7 @@ from common import (
     check_outputs,
     replace_file,
     resolve_bench_model,
+    run_in_own_session,
 )
 
 from tiny_llm_support import Qwen3Config, blas_info
@@ -168,7 +168,7 @@ def run_ranks(args: argparse.Namespace, ranks: int, argv: list[str]) -> list[dic
         command = [str(Path(__file__).resolve()), *argv, "--worker-ranks", str(ranks)]
         command += ["--out-dir", tmp]
         if ranks == 1:  # a session of its own, as the ranks: Ctrl-C reaches this process alone
-            status = subprocess.call([sys.executable, *command], start_new_session=True)
+            status = run_in_own_session([sys.executable, *command])
         else:
             status = launch(command, ranks)
         found = [Path(tmp, f"rank{r}.json") for r in range(ranks)]
