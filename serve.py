@@ -11,8 +11,10 @@ Then any OpenAI client talks to it, e.g. with the `openai` package:
 and a browser at http://127.0.0.1:8000/ shows a chat box beside the engine as it runs (its slots,
 queue, forward passes and page pool, from the server-sent events of GET /events).
 
-One thread loads the model and steps the engine; the HTTP handlers only queue work for it
-(tiny_llm_support.server_engine). The endpoints and the wire format: tiny_llm_support.server and
+The engine runs in a process of its own, which loads the model and steps the engine
+(tiny_llm_support.engine_process); this process serves HTTP and talks to it over a pipe
+(tiny_llm_support.server_engine), so no request can stop the server: a failure inside the engine
+fails the requests it touched, and an engine process that dies is started again. The endpoints and the wire format: tiny_llm_support.server and
 server_api. The scheduler flags are batch-main's (tiny_llm_support.batch_settings), except that
 the prefix cache (Week 4 Day 4) is on by default here whenever the pool is bounded (--max-pages);
 --no-prefix-cache turns it off. Speculative decoding (Week 4 Day 5), as in batch-main:
@@ -34,14 +36,15 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
-from tiny_llm_support import ModelNotAvailableError, choose_device, cli, load_checkpoint
+from tiny_llm_support import ModelNotAvailableError, cli
 from tiny_llm_support import batch_settings as settings
+from tiny_llm_support.engine_process import build_engine
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 from tiny_llm_support.server import OpenAIServer, ServerSettings
-from tiny_llm_support.server_engine import EngineService
-from tiny_llm_support.server_ranks import broadcast, follow
+from tiny_llm_support.server_engine import EngineClient, EngineStartError
+from tiny_llm_support.server_ranks import follow
 from tiny_llm_support.server_run import listen, serve
-from tiny_llm_support.tokenizer import check_chat_template
+from tiny_llm_support.tokenizer import load_tokenizer
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -83,121 +86,66 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def build_engine(
-    args: argparse.Namespace, path, package, draft_path=None, on_step=None, group=None
-) -> tuple:
-    """(engine, tokenizer, config): runs on the engine thread, which owns MLX from the first
-    array on, the model's weights included. `draft_path`: the draft model's checkpoint;
-    `on_step`: the engine's scheduler events go there (the live page); `group`: the ranks the
-    model is sharded over (--tp)."""
-    device = choose_device(args.device)
-    dtype = args.dtype or cli.default_dtype(device)
-    ckpt = load_checkpoint(path, dtype=dtype)  # CheckpointError names the file and problem
-    if ckpt.tokenizer is None:
-        raise ValueError(f"{path} has no tokenizer.json")
-    check_chat_template(ckpt.tokenizer)  # a ChatTemplateError naming the file, before serving
-    problem = settings.check_model(args, ckpt.config, dtype)
-    draft_ckpt = None
-    if draft_path is not None and not problem:
-        draft_ckpt = load_checkpoint(draft_path, dtype=dtype)
-        problem = settings.check_draft(args, ckpt.config, draft_ckpt.config)
-    if problem:
-        raise cli.UsageError(problem)
-    model = settings.build_model(package, ckpt, args)
-    if group is not None:
-        model.shard(group)
-    pools = settings.make_pools(model, args)
-    settings.check_solution(args, pools)  # Week 4 Day 4 missing: stop now, not at a request
-    proposer = settings.make_proposer(package, model, draft_ckpt, args)
-    if proposer is not None:  # Week 4 Day 5 missing: the same
-        settings.check_proposer(package, proposer, model, ckpt.tokenizer)
-    engine = package.Engine(
-        model,
-        ckpt.tokenizer,
-        pools=pools,
-        policy=args.policy,
-        on_step=on_step,
-        **settings.sizes(args),
-        **settings.engine_keywords(proposer),
-    )
-    print(f"model: {args.model} ({path}), {device} {dtype}, solution {package.__name__}")
-    if group is not None:
-        print(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
-    print(settings.describe(args))
-    for hint in cli.cpu_hints(device, dtype):
-        print(hint)
-    return engine, ckpt.tokenizer, ckpt.config
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         path, draft_path = settings.checkpoint_paths(args)
     except ModelNotAvailableError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    group = None
     if args.tp > 1:
         if not in_ranks():  # each rank runs this command again; rank 0 serves
             return relaunch_as_ranks(path, args.tp, args.hostfile)
-        group = join_ranks(args.tp)
-        if group.rank() != 0:
-            return follow_rank_0(args, path, draft_path, group)
+        if int(os.environ[startup.RANK_ENV]) != 0:
+            return follow_rank_0(args, path, draft_path)
+        # rank 0: its engine process joins the ranks (it inherits this process's environment)
     try:
         sock = listen(args.host, args.port)
     except OSError as e:
         print(f"error: cannot listen on {args.host}:{args.port}: {e.strerror}", file=sys.stderr)
         return 1
-    package = cli.load_solution(args.solution)
-    loaded = {}  # what build() leaves for this thread besides the engine
-
-    def build(on_step):
-        engine, loaded["tokenizer"], loaded["config"] = build_engine(
-            args, path, package, draft_path, on_step, group
-        )
-        return engine
-
-    relay = None if group is None else lambda ops: broadcast(group, ops)
-    service = EngineService(build, args.batch_size, args.max_waiting, relay=relay)
+    service = EngineClient(args, path, draft_path, args.max_waiting)
     try:
-        service.start()
-    except NotImplementedError as e:
-        hint = settings.unfinished_hint(args, e)
-        print(cli.unfinished_message(args.solution, e) + hint, file=sys.stderr)
+        info = service.start()
+    except EngineStartError as e:
+        sock.close()
+        if e.kind == "usage":
+            raise cli.UsageError(str(e)) from None
+        print(str(e) if e.kind == "unfinished" else f"error: {e}", file=sys.stderr)
         return 1
-    except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if service.error is not None:  # it failed to start: nothing will be served
-            sock.close()
+    except BaseException:
+        sock.close()
+        raise
     served = ServerSettings(
         model_id=args.model,
         max_seq_len=args.max_seq_len,
-        vocab_size=loaded["config"].vocab_size,
+        vocab_size=info["vocab_size"],
         api_key=args.api_key,
     )
-    app = OpenAIServer(service, loaded["tokenizer"], package.SamplingParams, served).app()
+    package = cli.load_solution(args.solution)  # its SamplingParams check requests at the edge
+    app = OpenAIServer(service, load_tokenizer(path), package.SamplingParams, served).app()
     host, port = sock.getsockname()[:2]
     print(f"serving '{args.model}' at http://{host}:{port}/v1 (Ctrl-C stops)", flush=True)
     print(f"the engine, live: http://{host}:{port}/", flush=True)
-    server = serve(app, sock, service)
-    service.close()
-    service.join(timeout=10)
+    try:
+        server = serve(app, sock, service)
+    finally:
+        service.join(timeout=10)
     return exit_status(server.stop_signal, service.error)
 
 
-def follow_rank_0(args: argparse.Namespace, path, draft_path, group) -> int:
+def follow_rank_0(args: argparse.Namespace, path, draft_path) -> int:
     """A rank other than 0 of serve --tp: the same engine over its share of the model, doing
-    what rank 0 tells it each turn (server_ranks.py), until rank 0 closes."""
+    what rank 0's engine process tells it each turn (server_ranks.py), until rank 0 closes."""
+    group = join_ranks(args.tp)
     package = cli.load_solution(args.solution)
-    engine, _, _ = build_engine(args, path, package, draft_path, group=group)
+    engine, _ = build_engine(args, path, package, draft_path, group=group)
     follow(engine, group, package.SamplingParams)
     return 0
 
 
-def exit_status(stop_signal: int | None, error: BaseException | None) -> int:
+def exit_status(stop_signal: int | None, error: str | None) -> int:
     """130 after Ctrl-C (as every command of the course), 0 after SIGTERM, 1 when the engine
-    failed."""
+    is gone for good."""
     if error is not None:
         return 1
     if stop_signal == signal.SIGINT:

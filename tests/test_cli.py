@@ -278,6 +278,7 @@ ENTRY_POINTS = {
     "bench-prefix-cache": ["benches/prefix_cache.py"],
     "bench-quantization": ["benches/quantization.py"],
     "bench-serving-overhead": ["benches/serving_overhead.py"],
+    "bench-token-delivery": ["benches/token_delivery.py"],
     "bench-shape-stable": ["benches/shape_stable.py"],
     "bench-speculative": ["benches/speculative.py"],
     "bench-tensor-parallel": ["benches/tensor_parallel.py"],

@@ -55,14 +55,14 @@ SERVING = re.compile(r"serving '.*' at http://127\.0\.0\.1:(\d+)/v1")
 class Server:
     """serve.py on a port of its choosing (--port 0), its output in files under tmp."""
 
-    def __init__(self, tmp: Path, *flags: str) -> None:
+    def __init__(self, tmp: Path, *flags: str, solution: str = "ref", **env: str) -> None:
         self.out, self.err = tmp / "stdout.txt", tmp / "stderr.txt"
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--model", MODEL, "--solution", "ref", "--port", "0"]
-                + list(flags),
+                [sys.executable, str(SCRIPT), "--model", MODEL, "--solution", solution]
+                + ["--port", "0", *flags],
                 cwd=ROOT,
-                env=offline_env(tmp),
+                env=offline_env(tmp, **env),
                 stdout=out,
                 stderr=err,
             )
@@ -210,7 +210,9 @@ def test_models_health_and_metrics(server):
     assert [m.id for m in server.client().models.list()] == [MODEL]
     assert server.client().models.retrieve(MODEL).id == MODEL
     status, _, body = request(server.port, "GET", "/health")
-    assert (status, json.loads(body)) == (200, {"status": "ok"})
+    health = json.loads(body)
+    assert status == 200 and health["status"] == "ok", health
+    assert health["engine_pid"] != server.proc.pid, "the engine runs in a process of its own"
     status, headers, body = request(server.port, "GET", "/metrics")
     assert status == 200 and headers["content-type"].startswith("text/plain")
     text = body.decode()
@@ -285,6 +287,36 @@ def test_completion_equals_engine(server, ref, stream, as_ids):
         chunks = list(server.client().completions.create(**kwargs, stream=True))
         assert "".join(c.choices[0].text for c in chunks) == text
         assert [c.choices[0].finish_reason for c in chunks][-1] == finish
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_several_prompts_are_several_choices(server, ref, stream):
+    """A list of prompts (LangChain batches its completions so) answers each as a choice of its
+    own, in order, each equal to its prompt alone; the usage adds them up."""
+    prompts = ["The river keeper said", "Once upon a time", "The cat"]
+    alone = [ref.run(ref.tokenizer.encode(p), 10) for p in prompts]
+    kwargs = dict(model=MODEL, prompt=prompts, temperature=0, max_tokens=10)
+    if not stream:
+        r = server.client().completions.create(**kwargs)
+        got = [(c.index, c.text, c.finish_reason) for c in r.choices]
+        usage = r.usage
+    else:
+        chunks = list(
+            server.client().completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        texts, finish = [""] * 3, [None] * 3
+        for c in chunks[:-1]:
+            (choice,) = c.choices
+            texts[choice.index] += choice.text
+            finish[choice.index] = choice.finish_reason or finish[choice.index]
+        got, usage = [(i, texts[i], finish[i]) for i in range(3)], chunks[-1].usage
+    assert got == [(i, text, why) for i, (text, why, _, _) in enumerate(alone)], (
+        "choice i must answer prompt i, as it is answered alone"
+    )
+    assert usage.prompt_tokens == sum(a[2] for a in alone)
+    assert usage.completion_tokens == sum(a[3] for a in alone)
 
 
 def test_stop_string_ends_the_answer(server, ref):
@@ -421,7 +453,10 @@ BAD = [
      ["messages[0].role"]),
     (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400,
      ["stream_options", "stream"]),
-    (TEXT, {"model": MODEL, "prompt": ["one", "two"]}, 400, ["prompt", "one prompt"]),
+    (TEXT, {"model": MODEL, "prompt": ["Hi"] * 33}, 400, ["prompt", "at most 32 prompts"]),
+    (TEXT, {"model": MODEL, "prompt": []}, 400, ["prompt", "empty"]),  # no token ids
+    (TEXT, {"model": MODEL, "prompt": ["Hi", [5, 99999]]}, 400, ["prompt[1]", "99999"]),
+    (TEXT, {"model": MODEL, "prompt": list(range(MAX_SEQ_LEN))}, 400, ["prompt", "no room"]),
     (TEXT, {"model": MODEL, "prompt": [5, 99999]}, 400, ["prompt", "99999", "vocabulary"]),
     (TEXT, {"model": MODEL, "prompt": ""}, 400, ["prompt", "empty"]),
     (TEXT, b'{"model": "tiny", "prompt": "Hi"', 400, ["JSON"]),

@@ -3,9 +3,9 @@
 Support code, like tests/test_serve.py, whose Server starts serve.py here too (reference
 package, tiny model, a free port on 127.0.0.1); this server has an API key, so the page's key
 prompt is tested as well. The plain HTTP tests read the files and the event stream; the
-browser test opens the page in the system's headless Chromium, driven by Playwright as
-scripts/book-check.py drives it (no browser is downloaded). Without a Chromium the browser test
-skips and says so; with TINY_LLM_REQUIRE_BROWSER=1 it fails instead.
+browser tests open the page in the system's headless Chromium, driven by Playwright as
+scripts/book-check.py drives it (no browser is downloaded). Without a Chromium the browser tests
+skip and say so; with TINY_LLM_REQUIRE_BROWSER=1 they fail instead.
 """
 
 import asyncio
@@ -30,6 +30,9 @@ BUDGET = 16  # small chunks: a chat prompt takes two or three passes to prefill
 FLAGS = ["--max-seq-len", str(MAX_SEQ_LEN), "--batch-size", "3", "--policy", "hybrid"]
 FLAGS += ["--prefill-step", str(BUDGET), "--page-size", "16", "--max-pages", "32"]
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
+STATIC = ROOT / "src" / "tiny_llm_support" / "static"
+# where the server writes the engine's latest snapshot into the page (not with --api-key)
+FIRST_SNAPSHOT = '<script id="first-snapshot" type="application/json">null</script>'
 REQUIRE_BROWSER = os.environ.get("TINY_LLM_REQUIRE_BROWSER") == "1"
 
 
@@ -92,6 +95,15 @@ def test_the_page_and_its_files_need_no_key(live):
         assert status == 200 and headers["content-type"].startswith(kind)
     status, _, body = http_request(live.port, "GET", "/static/server.py")
     assert status == 404 and "no such file" in json.loads(body)["error"]["message"]
+
+
+def test_the_page_has_one_place_for_a_snapshot(live):
+    """The server writes its latest snapshot in place of the null, but not with --api-key (the
+    page holds no data until the key is given), as this server has."""
+    status, _, body = http_request(live.port, "GET", "/")
+    html = body.decode()
+    assert status == 200 and html.count(FIRST_SNAPSHOT) == 1
+    assert html.count('id="first-snapshot"') == 1
 
 
 def test_events_need_the_key(live):
@@ -186,6 +198,10 @@ WATCH_SLOTS = """() => {
 }"""
 
 
+def is_chat(request) -> bool:
+    return request.method == "POST" and request.url.endswith("/v1/chat/completions")
+
+
 def test_the_page_in_a_browser(live):
     chromium, flags, book_check = chromium_or_skip()
     from playwright.sync_api import sync_playwright
@@ -198,6 +214,8 @@ def test_the_page_in_a_browser(live):
             page = browser.new_page()
             book_check.watch(page, base, problems)  # errors, and no request off the server
             page.goto(base)
+            # with --api-key the server writes no snapshot into the page: it waits for /events
+            assert "waiting for the first snapshot" in page.text_content("#config")
             page.fill("#api-key", API_KEY)  # the server has --api-key: the page asks for it
             page.click("#key-form button")
             page.wait_for_selector("#connection.live", timeout=10_000)
@@ -205,7 +223,11 @@ def test_the_page_in_a_browser(live):
             page.evaluate(WATCH_SLOTS)
             page.fill("#prompt", "What is a KV cache?")
             page.fill("#max-tokens", "12")  # its prompt's chunks stay in the latest passes
-            page.click("#send")
+            # the temperature control: labelled, greedy (0) unless changed, sent with the chat
+            assert page.get_by_label("temperature").input_value() == "0"
+            with page.expect_request(is_chat) as sent:
+                page.click("#send")
+            assert sent.value.post_data_json["temperature"] == 0
             answer = page.wait_for_selector(".message.answer[data-done]", timeout=30_000)
             assert answer.query_selector(".text").text_content().strip(), "no answer text"
             assert "finish:" in answer.query_selector(".note").text_content()
@@ -220,6 +242,90 @@ def test_the_page_in_a_browser(live):
             assert page.locator("#passes .seg.chunk").count() >= 1
             assert "of 32 pages of 16 tokens" in page.text_content("#pages")
             assert "finished" in page.text_content("#events")
+            # a warmer answer: the control's new value goes with the next request
+            page.fill("#temperature", "0.7")
+            page.fill("#prompt", "Tell me a short story about a cat.")
+            with page.expect_request(is_chat) as sent:
+                page.click("#send")
+            assert sent.value.post_data_json["temperature"] == 0.7
+            page.wait_for_function(
+                "() => document.querySelectorAll('.message.answer[data-done]').length === 2",
+                timeout=30_000,
+            )
+        finally:
+            browser.close()
+    assert problems == [], problems
+
+
+def busy_snapshot(port: int) -> dict:
+    """A snapshot from /events while a chat runs: a request in a slot, a pass behind it."""
+    stream = EventStream(port, AUTH)
+    try:
+        finished = stream.next()["stats"]["requests_finished"]
+        sender = threading.Thread(target=chat, args=(port, "What is a KV cache?", 40))
+        sender.start()
+        found = None
+        while (snapshot := stream.next()) is not None:
+            if found is None and snapshot["passes"] and any(snapshot["slots"]):
+                found = snapshot
+            if snapshot["stats"]["requests_finished"] > finished:
+                break
+        sender.join(timeout=30)
+    finally:
+        stream.close()
+    assert found is not None, "no snapshot showed the chat in a slot"
+    return found
+
+
+def test_the_page_draws_the_snapshot_it_holds(live):
+    """A page served with a snapshot in it (as the server serves it without --api-key) shows
+    the engine at once, /events or not: here /events is refused, so a headless screenshot,
+    which never waits for a stream, shows the engine and not "waiting for the first
+    snapshot". The page is index.html with a real snapshot written in, as the server writes it
+    (every "<" as \\u003c); its two files come from the server."""
+    chromium, flags, _ = chromium_or_skip()
+    from playwright.sync_api import sync_playwright
+
+    snapshot = busy_snapshot(live.port)
+    data = json.dumps(snapshot).replace("<", "\\u003c")
+    html = (STATIC / "index.html").read_text()
+    assert html.count(FIRST_SNAPSHOT) == 1
+    html = html.replace(FIRST_SNAPSHOT, FIRST_SNAPSHOT.replace("null", data))
+    base = f"http://127.0.0.1:{live.port}/"
+    problems: list[str] = []
+    refused: list[str] = []
+
+    def serve(route, request):
+        if request.url == base:
+            route.fulfill(status=200, content_type="text/html", body=html)
+        elif request.url.startswith(base + "static/"):
+            route.continue_()
+        else:  # /events, /v1/models and anything else: no data but the page's own
+            refused.append(request.url)
+            route.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=flags)
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda error: problems.append(f"uncaught: {error}"))
+            page.route("**/*", serve)
+            page.goto(base)
+            page.wait_for_selector("#connection.down", timeout=10_000)  # /events failed
+            assert base + "events" in refused
+            config = page.text_content("#config")
+            assert "waiting for the first snapshot" not in config
+            assert "hybrid policy" in config and "3 decode slots" in config
+            states = page.eval_on_selector_all(
+                "#slots tbody tr", "rows => rows.map(row => row.dataset.state)"
+            )
+            assert states == ["free" if r is None else r["state"] for r in snapshot["slots"]]
+            assert set(states) & {"prefilling", "decoding"}
+            assert page.locator("#passes .pass").count() == len(snapshot["passes"])
+            pages = snapshot["pages"]
+            assert f"{pages['in_use']} in use" in page.text_content("#pages")
+            assert "of 32 pages of 16 tokens" in page.text_content("#pages")
+            assert page.locator("#counters dt").count() >= 1
         finally:
             browser.close()
     assert problems == [], problems

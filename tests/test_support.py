@@ -23,6 +23,7 @@ from tiny_llm_support import (
     load_tokenizer,
     make_tiny_checkpoint,
     make_tiny_moe_checkpoint,
+    mlx_lm_qwen3,
     openblas_path,
     resolve_model,
 )
@@ -122,6 +123,62 @@ def test_config_wrong_model_type():
 def test_config_heads_must_divide():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         Qwen3Config.from_dict(base_config(num_key_value_heads=3))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_config_written_by_transformers_5_reads_as_transformers_4s(tmp_path, model_type):
+    """transformers 5 saves num_experts as num_local_experts, torch_dtype as dtype and
+    rope_theta in rope_parameters: its config.json gives the fields transformers 4's does."""
+    transformers = pytest.importorskip("transformers")
+    sizes = dict(vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                 num_attention_heads=8, num_key_value_heads=4, rms_norm_eps=1e-5,
+                 max_position_embeddings=4096, tie_word_embeddings=True)  # fmt: skip
+    if model_type == "qwen3":
+        cls = transformers.Qwen3Config
+        extra = dict(head_dim=16, use_sliding_window=True, sliding_window=16, max_window_layers=2)
+    else:
+        cls = transformers.Qwen3MoeConfig
+        extra = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                     decoder_sparse_step=2, mlp_only_layers=[0], norm_topk_prob=True)  # fmt: skip
+    cls(**sizes, **extra, rope_theta=5e5, dtype="bfloat16").save_pretrained(tmp_path)
+    v5 = Qwen3Config.from_file(tmp_path / "config.json")
+    assert "dtype" in v5.raw and "rope_parameters" in v5.raw, "written in v5's spelling"
+    v4 = dict(model_type=model_type, **sizes, **extra, rope_theta=5e5, rope_scaling=None,
+              torch_dtype="bfloat16")  # fmt: skip
+    assert v5 == Qwen3Config.from_dict(v4)
+    assert (v5.num_experts, v5.torch_dtype) == (extra.get("num_experts", 0), "bfloat16")
+
+
+@pytest.mark.parametrize(
+    "v4, v5, same, words",
+    [
+        (dict(num_experts=8), dict(num_local_experts=4), dict(num_local_experts=8),
+         r"num_local_experts \(4, .*\) and num_experts \(8, .*\) disagree"),
+        (dict(torch_dtype="float16"), dict(dtype="bfloat16"), dict(dtype="float16"),
+         r"dtype \('bfloat16', .*\) and torch_dtype \('float16', .*\) disagree"),
+        (dict(rope_theta=1e6), dict(rope_parameters={"rope_theta": 5e5}),
+         dict(rope_parameters={"rope_theta": 1e6, "rope_type": "default"}),
+         r"rope_theta \(1000000.0\) and rope_parameters.rope_theta \(500000.0\) disagree"),
+    ],
+    ids=["num_experts", "dtype", "rope_theta"],
+)  # fmt: skip
+def test_config_two_spellings_that_disagree_are_named(v4, v5, same, words):
+    """A setting under both transformers 4's name and transformers 5's: an error naming both
+    when they differ, the one setting when they agree."""
+    moe = dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2)
+    d = base_config(**{**moe, **v4}, moe_intermediate_size=16)
+    with pytest.raises(CheckpointError, match=words):
+        Qwen3Config.from_dict({**d, **v5})
+    assert Qwen3Config.from_dict({**d, **same}) == Qwen3Config.from_dict(d)
+
+
+def test_config_rope_scaling_as_transformers_4_writes_it():
+    """transformers 4 writes RoPE scaling in rope_scaling (v5 in rope_parameters): null or
+    the default loads, any other type is refused there as in rope_parameters."""
+    assert Qwen3Config.from_dict(base_config(rope_scaling={"type": "default"})).rope_theta == 1e6
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with pytest.raises(CheckpointError, match=r"rope_type 'yarn' \(rope_scaling\) is not"):
+        Qwen3Config.from_dict(base_config(rope_scaling=yarn))
 
 
 # --- make_tiny_checkpoint / load_checkpoint -------------------------------------------------
@@ -394,6 +451,22 @@ def test_moe_layouts_load_the_same_stacked_experts(tmp_path):
     for name, w in hf.weights.items():
         assert mx.array_equal(w, stacked.weights[name]).item(), name
     assert hf.weights["model.layers.1.mlp.switch_mlp.down_proj.weight"].shape == (8, 64, 64)
+
+
+def test_moe_checkpoint_resaved_by_transformers_5_loads_the_same(tmp_path):
+    """The config.json of a Qwen3-MoE checkpoint rewritten by transformers 5 (num_local_experts,
+    dtype, rope_parameters): the same config, weights and mlx-lm logits as before."""
+    transformers = pytest.importorskip("transformers")
+    v4 = load_checkpoint(make_tiny_moe_checkpoint(tmp_path / "v4", seed=1))
+    path = make_tiny_moe_checkpoint(tmp_path / "v5", seed=1)
+    transformers.Qwen3MoeConfig.from_pretrained(path).save_pretrained(path)
+    v5 = load_checkpoint(path)
+    assert "num_local_experts" in v5.config.raw and "num_experts" not in v5.config.raw
+    assert v5.config == v4.config and v5.weights.keys() == v4.weights.keys()
+    for name, w in v4.weights.items():
+        assert mx.array_equal(w, v5.weights[name]).item(), name
+    tokens = mx.array([[5, 17, 99, 3, 250, 41]])
+    assert mx.array_equal(mlx_lm_qwen3(v5)(tokens), mlx_lm_qwen3(v4)(tokens)).item()
 
 
 def test_a_missing_expert_is_named(tmp_path):

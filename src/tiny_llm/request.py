@@ -72,7 +72,9 @@ class Request:
         self.admitted = 0  # when the scheduler admitted it last (Week 3 Day 6)
         self.params = sampling or SamplingParams()
         self.sampler = self.params.sampler()  # None: greedy (Week 4 Day 3)
-        self.key = None if self.params.seed is None else mx.random.key(self.params.seed + 1)
+        self.key = (
+            None if self.params.seed is None else mx.random.key((self.params.seed + 1) % 2**64)
+        )
         self.draft = Draft([])  # the tokens a proposer guessed for this pass (Week 4 Day 5)
         if pools is None:
             self.kv_cache = model.create_kv_cache()

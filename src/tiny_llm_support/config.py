@@ -21,6 +21,12 @@ _REQUIRED = (
 _REQUIRED_MOE = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
 MODEL_TYPES = ("qwen3", "qwen3_moe")
 
+# Keys transformers 5 writes under another name than transformers 4 did, to the name read
+# here (v4's): Qwen3MoeConfig's attribute_map saves num_experts as num_local_experts, and
+# PreTrainedConfig saves torch_dtype as dtype. (v5 also folds rope_theta and rope_scaling
+# into rope_parameters; _rope_theta reads both forms.)
+_V5_NAMES = {"num_local_experts": "num_experts", "dtype": "torch_dtype"}
+
 # MLX's affine format as tiny-llm reads it: codes of these widths pack evenly into a uint32,
 # and these are the group sizes mx.quantize accepts.
 QUANT_BITS = (2, 4, 8)
@@ -118,6 +124,7 @@ class Qwen3Config:
                 f"{source}: model_type is {model_type!r}, but only 'qwen3' and 'qwen3_moe' "
                 "checkpoints are supported"
             )
+        raw, d = d, _v4_names(d, source)  # raw: the file as it is; d: read with v4's names
         required = _REQUIRED + (_REQUIRED_MOE if model_type == "qwen3_moe" else ())
         for key in required:
             if key not in d:
@@ -140,11 +147,11 @@ class Qwen3Config:
             rope_theta=_rope_theta(d, source),
             max_position_embeddings=number("max_position_embeddings"),
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            torch_dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            torch_dtype=str(d.get("torch_dtype") or "float32"),
             quantization=_quantization(d, source),
             **(_experts(d, source) if model_type == "qwen3_moe" else {}),
             layer_windows=_layer_windows(d, source),
-            raw=dict(d),
+            raw=dict(raw),
         )
         config._check(source)
         return config
@@ -201,6 +208,23 @@ def _number(d: dict[str, Any], key: str, kind: type, source: str | Path) -> Any:
     return value
 
 
+def _v4_names(d: dict[str, Any], source: str | Path) -> dict[str, Any]:
+    """d with the keys of _V5_NAMES under their transformers 4 names; a config that has both
+    spellings of one setting with different values is refused (null counts as absent)."""
+    d = dict(d)
+    for new, old in _V5_NAMES.items():
+        value = d.pop(new, None)
+        if value is None:
+            continue
+        if d.get(old) is not None and d[old] != value:
+            raise CheckpointError(
+                f"{source}: {new} ({value!r}, transformers 5's name) and {old} ({d[old]!r}, "
+                "transformers 4's) disagree"
+            )
+        d[old] = value
+    return d
+
+
 def _layer_windows(d: dict[str, Any], source: str | Path) -> tuple[int | None, ...]:
     """Each layer's sliding window, as transformers reads a Qwen3 config: only with
     use_sliding_window true, on the layers that layer_types calls "sliding_attention", or
@@ -247,20 +271,28 @@ def _experts(d: dict[str, Any], source: str | Path) -> dict[str, Any]:
 
 
 def _rope_theta(d: dict[str, Any], source: str | Path) -> float:
-    """rope_theta sits at the top level (older configs) or in rope_parameters (newer ones)."""
-    if "rope_theta" in d:
-        return _number(d, "rope_theta", float, source)
-    params = d.get("rope_parameters") or {}
-    if "rope_theta" in params:
-        rope_type = params.get("rope_type", "default")
+    """RoPE's base. transformers 4 writes rope_theta at the top level and rope_scaling (null
+    for plain RoPE); transformers 5 puts both in rope_parameters. Only plain RoPE (rope_type
+    "default", or v4's spelling "type") is supported, and both rope_thetas must agree."""
+    for key in ("rope_scaling", "rope_parameters"):
+        params = d.get(key) or {}
+        rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
             raise CheckpointError(
-                f"{source}: rope_type {rope_type!r} is not supported, only 'default'"
+                f"{source}: rope_type {rope_type!r} ({key}) is not supported, only 'default'"
             )
-        return _number(params, "rope_theta", float, source)
-    raise CheckpointError(
-        f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)"
-    )
+    params = d.get("rope_parameters") or {}
+    thetas = [_number(c, "rope_theta", float, source) for c in (d, params) if "rope_theta" in c]
+    if not thetas:
+        raise CheckpointError(
+            f"{source}: required key 'rope_theta' is missing (top level or rope_parameters)"
+        )
+    if len(thetas) == 2 and thetas[0] != thetas[1]:
+        raise CheckpointError(
+            f"{source}: rope_theta ({thetas[0]}) and rope_parameters.rope_theta ({thetas[1]}) "
+            "disagree"
+        )
+    return thetas[0]
 
 
 def _quantization(d: dict[str, Any], source: str | Path) -> Quantization | None:

@@ -1,17 +1,18 @@
 """The HTTP side of serve.py: an OpenAI-compatible API (FastAPI on uvicorn) around an engine
-that runs on its own thread (server_engine.EngineService).
+that runs in a process of its own (server_engine.EngineClient, engine_process.py).
 
     POST /v1/chat/completions   the chat template, then generation; streamed or not
     POST /v1/completions        a text or token-id prompt
     GET  /v1/models             the one model served
-    GET  /health                200 while the engine runs, 503 once it stops
+    GET  /health                200 while the engine runs; 503 while it restarts or once it
+                                has stopped (the body says which, and the engine's failures)
     GET  /metrics               engine.stats() in Prometheus' text format, the prefix hit rate
                                 and speculative decoding's acceptance rate
     GET  /                      the live page: a chat box beside the engine as it runs (static/)
     GET  /events                the engine's snapshots as server-sent events, for that page
 
 A handler checks the request (server_api), turns it into token ids and sampling settings, and
-hands it to the engine thread; it never calls the model. The engine's outputs come back on the
+hands it to the engine process; it never calls the model. The engine's outputs come back on the
 request's Channel and go out as one JSON response or as server-sent events. A client that hangs
 up gets its request aborted, so its slot and pages serve someone else.
 
@@ -23,9 +24,12 @@ needed, asks for it and sends it in that header (never in a URL, which access lo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import math
+import sys
 import time
+import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -51,13 +55,16 @@ from .server_api import (
     sse,
     usage,
 )
-from .server_engine import Accepted, Channel, EngineService
+from .server_engine import Channel, EngineClient, stamping
 from .tokenizer import ChatTemplateError, check_chat_text
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
 DRAIN_BYTES = 16 << 20  # read (and drop) a too-large body up to this size before answering
+FIRST_SNAPSHOT = '<script id="first-snapshot" type="application/json">{}</script>'
 STATIC_FILES = {"live.css": "text/css", "live.js": "text/javascript"}  # the page's, in static/
 KEEPALIVE_S = 15  # an idle /events stream sends a comment this often
+BODY_TIMEOUT_S = 20  # a request body must arrive whole within this (a stalled upload: 408)
+EVENT_STREAM = {"Cache-Control": "no-cache"}  # every text/event-stream response
 
 
 @dataclass
@@ -72,11 +79,11 @@ class ServerSettings:
 
 
 class OpenAIServer:
-    """The request handlers, around one EngineService."""
+    """The request handlers, around one EngineClient."""
 
     def __init__(
         self,
-        service: EngineService,
+        service: EngineClient,
         tokenizer: Any,
         make_params: Callable[..., Any],
         settings: ServerSettings,
@@ -87,18 +94,27 @@ class OpenAIServer:
 
     def app(self) -> FastAPI:
         """The FastAPI app. No /docs page: FastAPI's loads its scripts from a CDN."""
-        app = FastAPI(title="tiny-llm", docs_url=None, redoc_url=None, openapi_url=None)
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: FastAPI):
+            self.service.attach(asyncio.get_running_loop())
+            yield
+
+        app = FastAPI(
+            title="tiny-llm", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan
+        )
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
-        app.add_api_route("/health", self.health, methods=["GET"])
-        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET", "HEAD"])  # load tools probe
+        app.add_api_route("/metrics", self.metrics, methods=["GET", "HEAD"])  # with HEAD
         app.add_api_route("/", self.page, methods=["GET"])
         app.add_api_route("/static/{name}", self.static, methods=["GET"])
         app.add_api_route("/events", self.events, methods=["GET"])
         app.add_exception_handler(ApiError, _error_response)
         app.add_exception_handler(HTTPException, _http_error_response)
+        app.add_exception_handler(Exception, _server_error_response)
         return app
 
     # --- endpoints ----------------------------------------------------------------------------
@@ -108,16 +124,15 @@ class OpenAIServer:
         body = parse_request(await read_body(request, self.settings.max_body_bytes), ChatRequest)
         self._check_model(body.model)
         text = self._chat_prompt(body.conversation())
-        return await self._generate(request, "chat", body, self.tokenizer.encode(text))
+        return await self._generate(request, "chat", body, [self._encode(text, "messages")])
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
         raw = await read_body(request, self.settings.max_body_bytes)
         body = parse_request(raw, CompletionRequest)
         self._check_model(body.model)
-        prompt = body.prompt
-        ids = prompt if isinstance(prompt, list) else self.tokenizer.encode(prompt)
-        return await self._generate(request, "text", body, ids)
+        prompts = [p if isinstance(p, list) else self._encode(p, "prompt") for p in body.prompt]
+        return await self._generate(request, "text", body, prompts)
 
     async def models(self, request: Request) -> dict[str, Any]:
         self._authorize(request)
@@ -129,23 +144,26 @@ class OpenAIServer:
         return self._model_card()
 
     async def health(self) -> Response:
-        if self.service.alive:
-            return JSONResponse({"status": "ok"})
-        return JSONResponse({"status": "stopped"}, status_code=503)
+        status, body = self.service.health()
+        return JSONResponse(body, status_code=status)
 
     async def metrics(self) -> Response:
-        text = prometheus_text(self.service.snapshot, self.service.refused_busy)
+        text = prometheus_text(self.service.stats, self.service.refused_busy)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     # --- the live page -----------------------------------------------------------------------
 
     async def page(self) -> Response:
-        """index.html, its <meta name="api-key"> set to "required" when there is a key."""
+        """index.html, its <meta name="api-key"> set to "required" when there is a key;
+        without one, the engine's latest snapshot is in the page, drawn before any event."""
         html = static_text("index.html")
         if self.settings.api_key is not None:
             html = html.replace(
                 'name="api-key" content="none"', 'name="api-key" content="required"'
             )
+        elif self.service.snapshot is not None:
+            first = self.service.snapshot.replace("<", "\\u003c")  # no </script> inside
+            html = html.replace(FIRST_SNAPSHOT.format("null"), FIRST_SNAPSHOT.format(first))
         return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
 
     async def static(self, name: str) -> Response:
@@ -157,10 +175,11 @@ class OpenAIServer:
     async def events(self, request: Request) -> Response:
         """A snapshot of the engine whenever it changes (at most 20 a second), as server-sent
         events `data: {...}`, until the client leaves or the server stops. The engine thread
-        makes them (server_engine.EngineWatch); this handler only reads its own queue."""
+        makes them (live_view.EngineWatch); this handler only reads its own queue."""
         self._authorize(request)
-        headers = {"Cache-Control": "no-cache"}
-        return StreamingResponse(self._watch(), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(
+            self._watch(), media_type="text/event-stream", headers=EVENT_STREAM
+        )
 
     async def _watch(self) -> AsyncIterator[str]:
         """Subscribed only once the response streams, so that the finally below always runs."""
@@ -177,8 +196,9 @@ class OpenAIServer:
         key = self.settings.api_key
         if key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        bearer = scheme.lower() == "bearer"  # the scheme is case-insensitive (RFC 9110)
+        if not (hmac.compare_digest(given.strip().encode(), key.encode()) and bearer):
             raise ApiError(
                 401,
                 "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
@@ -218,17 +238,27 @@ class OpenAIServer:
         outside = next((t for t in ids if not 0 <= t < vocab), None)
         if outside is not None:
             raise ApiError(
-                400, f"'{field}' holds token id {outside}, outside the vocabulary 0..{vocab - 1}"
+                400,
+                f"'{field}' holds token id {outside}, outside the vocabulary 0..{vocab - 1}",
+                param=field,
             )
         limit = self.settings.max_seq_len
-        if len(ids) > limit:
+        if len(ids) >= limit:  # the answer needs room for one token at least
             raise ApiError(
                 400,
-                f"the context is {limit} tokens (--max-seq-len), but '{field}' has "
-                f"{len(ids)} tokens: shorten it",
+                f"the context is {limit} tokens (--max-seq-len), prompt and answer together, "
+                f"but '{field}' has {len(ids)} tokens, which leaves no room for an answer: "
+                "shorten it",
                 param=field,
                 code="context_length_exceeded",
             )
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """The text's token ids; 400 for a text the tokenizer refuses."""
+        try:
+            return self.tokenizer.encode(text)
+        except Exception as e:  # e.g. a lone surrogate that slipped past the body's checks
+            raise ApiError(400, f"'{field}' cannot be tokenized: {e}", param=field) from e
 
     def _sampling_params(self, body: Any) -> Any:
         try:
@@ -248,59 +278,67 @@ class OpenAIServer:
 
     # --- generation ---------------------------------------------------------------------------
 
-    async def _generate(self, request: Request, kind: str, body: Any, ids: list[int]) -> Response:
-        """Check, submit, wait until the engine has taken the request, then answer."""
-        self._check_prompt(ids, "messages" if kind == "chat" else "prompt")
-        channel = Channel(ids, self._sampling_params(body))
-        self.service.submit(channel)
+    async def _generate(
+        self, request: Request, kind: str, body: Any, prompts: list[list[int]]
+    ) -> Response:
+        """Check, submit every prompt (one engine request each: a completion may hold several
+        prompts, answered as choices 0, 1, ...), wait until the engine has taken them all, then
+        answer."""
+        field = "messages" if kind == "chat" else "prompt"
+        for i, ids in enumerate(prompts):
+            self._check_prompt(ids, field if len(prompts) == 1 else f"{field}[{i}]")
+        params = self._sampling_params(body)
+        channels = [Channel(ids, params) for ids in prompts]
         try:
-            first = await channel.next()  # Accepted, or the ApiError of a refusal is raised
-        except asyncio.CancelledError:
-            self.service.cancel(channel)
+            for channel in channels:
+                self.service.submit(channel)  # a 429 or 503 is raised here
+            for channel in channels:
+                await channel.next()  # Accepted, or the ApiError of a refusal is raised
+        except BaseException:  # a refusal, or the client left: the others are aborted
+            self._cancel(channels)
             raise
-        if not isinstance(first, Accepted):
-            raise RuntimeError(f"the engine thread answered {first!r} before accepting")
-        hangup = asyncio.create_task(self._cancel_on_hangup(request, channel))
+        hangup = asyncio.create_task(self._cancel_on_hangup(request, channels))
         options = body.stream_options
         reply = Reply(kind, self.settings.model_id, bool(options and options.include_usage))
         if body.stream:
-            events = self._stream(channel, reply, hangup)
-            return StreamingResponse(events, media_type="text/event-stream")
-        return await self._respond(channel, reply, hangup)
+            events = self._stream(channels, reply, hangup)
+            return StreamingResponse(events, media_type="text/event-stream", headers=EVENT_STREAM)
+        return await self._respond(channels, reply, hangup)
 
-    async def _cancel_on_hangup(self, request: Request, channel: Channel) -> None:
-        """Abort the request once its client disconnects. (Nothing else notices a client
+    def _cancel(self, channels: list[Channel]) -> None:
+        """Abort every request of a response (those already finished are left alone)."""
+        for channel in channels:
+            self.service.cancel(channel)
+
+    async def _cancel_on_hangup(self, request: Request, channels: list[Channel]) -> None:
+        """Abort the requests once their client disconnects. (Nothing else notices a client
         that waits quietly for a response that is not streamed.)"""
         while (await request.receive())["type"] != "http.disconnect":
             pass
-        self.service.cancel(channel)
+        self._cancel(channels)
 
-    async def _respond(self, channel: Channel, reply: Reply, hangup: asyncio.Task) -> Response:
+    async def _respond(self, channels: list[Channel], reply: Reply, hangup: asyncio.Task):
         """The whole answer as one JSON object."""
-        pieces, last = [], None
+        pieces: list[list[str]] = [[] for _ in channels]
+        last: list[Any] = [None] * len(channels)
         try:
-            async for output in outputs(channel):
-                pieces.append(output.text)
-                last = output
-        except asyncio.CancelledError:
-            self.service.cancel(channel)
-            raise
+            async for i, output in indexed(channels):
+                pieces[i].append(output.text)
+                last[i] = output
         finally:
             hangup.cancel()
-        answer = reply.response("".join(pieces), last.finish_reason, usage_of(last))
-        return JSONResponse(answer)
+            self._cancel(channels)  # after an error in one, the others
+        choices = [("".join(p), o.finish_reason) for p, o in zip(pieces, last)]
+        return JSONResponse(reply.response(choices, usage_of(last)))
 
-    async def _stream(self, channel: Channel, reply: Reply, hangup: asyncio.Task):
-        """The answer as server-sent events; a stream left early aborts the request."""
-        finished = False
+    async def _stream(self, channels: list[Channel], reply: Reply, hangup: asyncio.Task):
+        """The answer as server-sent events; a stream left early aborts its requests."""
         try:
-            async for event in sse_events(channel, reply):
+            async for event in sse_events(channels, reply):
                 yield event
-            finished = True
         finally:
             hangup.cancel()
-            if not finished:
-                self.service.cancel(channel)
+            self._cancel(channels)
 
 
 async def outputs(channel: Channel) -> AsyncIterator[Any]:
@@ -314,29 +352,71 @@ async def outputs(channel: Channel) -> AsyncIterator[Any]:
             return
 
 
-async def sse_events(channel: Channel, reply: Reply) -> AsyncIterator[str]:
-    """Chunks with the new text, one with the finish reason, the usage if asked for, then
-    [DONE]. A failure half way ends the stream with an error object, as OpenAI's does."""
+async def indexed(channels: list[Channel]) -> AsyncIterator[tuple[int, Any]]:
+    """(i, output) of every request as the outputs come, until each has finished; the first
+    ApiError of any request is raised. One request is read directly; several through one
+    queue that a task per request fills."""
+    if len(channels) == 1:
+        async for output in outputs(channels[0]):
+            yield 0, output
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, channel: Channel) -> None:
+        try:
+            async for output in outputs(channel):
+                merged.put_nowait((i, output))
+        except ApiError as e:
+            merged.put_nowait((i, e))
+
+    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(channels)]
+    try:
+        running = len(channels)
+        while running:
+            i, item = await merged.get()
+            if isinstance(item, ApiError):
+                raise item
+            running -= item.finish_reason is not None
+            yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def sse_events(channels: list[Channel], reply: Reply) -> AsyncIterator[str]:
+    """Chunks with the new text, one with the finish reason for each choice, the usage if
+    asked for, then [DONE]. A failure half way ends the stream with an error object, as
+    OpenAI's does."""
     if reply.kind == "chat":
         yield sse(reply.chunk(first=True))
+    stamp = stamping()
+    last: list[Any] = [None] * len(channels)
     try:
-        async for output in outputs(channel):
+        async for i, output in indexed(channels):
+            last[i] = output
             if output.text:
-                yield sse(reply.chunk(output.text))
+                chunk = reply.chunk(output.text, index=i)
+                if stamp:
+                    chunk["tiny_llm_sampled_at"] = output.sampled_at
+                yield sse(chunk)
             if output.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=output.finish_reason))
-                if reply.include_usage:
-                    yield sse(reply.usage_chunk(usage_of(output)))
+                yield sse(reply.chunk(finish_reason=output.finish_reason, index=i))
+        if reply.include_usage:
+            yield sse(reply.usage_chunk(usage_of(last)))
     except ApiError as e:
         yield sse(e.body())
+    except Exception as e:  # a bug here must not leave the client waiting for [DONE]
+        yield sse(_server_error(e).body())
     yield sse("[DONE]")
 
 
-def usage_of(output: Any) -> dict[str, Any]:
-    """The usage of a request's last output (a solution from before Week 4 Day 4 has no
-    cached_tokens: nothing was cached)."""
-    cached = getattr(output, "cached_tokens", 0)
-    return usage(output.prompt_tokens, output.completion_tokens, cached)
+def usage_of(last: list[Any]) -> dict[str, Any]:
+    """The usage of a response: the counts of each request's last output, added up."""
+    return usage(
+        sum(o.prompt_tokens for o in last),
+        sum(o.completion_tokens for o in last),
+        sum(o.cached_tokens for o in last),
+    )
 
 
 def static_text(name: str) -> str:
@@ -345,9 +425,25 @@ def static_text(name: str) -> str:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or ApiError(413) past `limit` bytes. A larger body is still read (up to
-    DRAIN_BYTES) so that the client, which is still sending, receives the 413 instead of a
-    connection reset."""
+    """The body, or ApiError(413) past `limit` bytes, or ApiError(408) when it does not arrive
+    within BODY_TIMEOUT_S (a stalled upload would hold its connection forever). A larger body
+    is still read (up to DRAIN_BYTES) so that the client, which is still sending, receives the
+    413 instead of a connection reset."""
+    try:
+        body, size = await asyncio.wait_for(_read(request, limit), BODY_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        raise ApiError(
+            408, f"the request body did not arrive within {BODY_TIMEOUT_S} s", code="timeout"
+        ) from None
+    if size > limit:
+        raise ApiError(
+            413, f"the request body is over the limit of {limit} bytes", code="request_too_large"
+        )
+    return body
+
+
+async def _read(request: Request, limit: int) -> tuple[bytes, int]:
+    """(the body's first `limit` bytes, its size as far as it was read)."""
     body, size = bytearray(), 0
     async for chunk in request.stream():
         size += len(chunk)
@@ -355,11 +451,7 @@ async def read_body(request: Request, limit: int) -> bytes:
             body += chunk
         elif size > DRAIN_BYTES:
             break
-    if size > limit:
-        raise ApiError(
-            413, f"the request body is over the limit of {limit} bytes", code="request_too_large"
-        )
-    return bytes(body)
+    return bytes(body), size
 
 
 async def _error_response(request: Request, error: ApiError) -> Response:
@@ -371,6 +463,17 @@ async def _http_error_response(request: Request, error: HTTPException) -> Respon
     message = f"{request.method} {request.url.path}: {error.detail}"
     error = ApiError(error.status_code, message, headers=error.headers)  # 405: its Allow header
     return await _error_response(request, error)
+
+
+async def _server_error_response(request: Request, error: Exception) -> Response:
+    """A bug on the server's side: a 500 with an OpenAI error object, the traceback in the log."""
+    return await _error_response(request, _server_error(error))
+
+
+def _server_error(error: Exception) -> ApiError:
+    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    message = f"the server failed: {type(error).__name__}: {error}"
+    return ApiError(500, message, kind="server_error")
 
 
 # engine.stats() key -> (metric, type, help)
@@ -422,6 +525,11 @@ METRICS = {
     "preemptions": ("tiny_llm_preemptions_total", "counter", "requests preempted for pages"),
     "requests_finished": ("tiny_llm_requests_finished_total", "counter", "requests finished"),
     "requests_aborted": ("tiny_llm_requests_aborted_total", "counter", "requests aborted"),
+    "engine_failures": (
+        "tiny_llm_engine_failures_total",
+        "counter",
+        "engine steps that raised (their requests failed with a 500; serving went on)",
+    ),
     "refused_busy": (  # the server's own count, not the engine's
         "tiny_llm_requests_refused_busy_total",
         "counter",

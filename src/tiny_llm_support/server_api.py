@@ -16,9 +16,19 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 MAX_SEED = 2**64 - 1
+MAX_COUNT = 2**31 - 1  # max_tokens, top_k: what any int32 counter of an engine can hold
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # each step looks for every stop string in the new text
+MAX_PROMPTS = 32  # the prompts of one completion request, each an engine request of its own
 
 # field -> (values that leave the output unchanged, why another value is refused)
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -77,16 +87,27 @@ class StreamOptions(_Body):
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant"]
     content: Any
+    name: str | None = None  # who spoke (LangChain sends it); the chat template may use it
 
     @field_validator("content")
     @classmethod
-    def _text_only(cls, content: Any) -> str:
-        """A string, or a list of {"type": "text", "text": ...} parts (joined)."""
-        if isinstance(content, str):
+    def _text_only(cls, content: Any) -> str | None:
+        """A string, or a list of {"type": "text", "text": ...} parts (joined); None is left
+        for the check below."""
+        if content is None or isinstance(content, str):
             return content
         if isinstance(content, list):
             return "".join(_text_part(part, i) for i, part in enumerate(content))
         raise ValueError("must be a string or a list of text parts")
+
+    @model_validator(mode="after")
+    def _null_only_from_the_assistant(self) -> ChatMessage:
+        """content null: what clients send back for an assistant turn that had no text."""
+        if self.content is None:
+            if self.role != "assistant":
+                raise ValueError("'content' may be null only in an assistant message")
+            self.content = ""
+        return self
 
 
 def _text_part(part: Any, index: int) -> str:
@@ -101,10 +122,10 @@ class _Generation(_Body):
     """What both endpoints take: sampling, limits, stop strings, streaming."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(None, ge=0, allow_inf_nan=False)
     top_p: float | None = Field(None, gt=0, le=1, allow_inf_nan=False)
-    top_k: int | None = Field(None, ge=1)  # not OpenAI's; vLLM and mlx-lm take it too
+    top_k: int | None = Field(None, ge=1, le=MAX_COUNT)  # not OpenAI's; vLLM and mlx-lm take it
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Any = ()
     stream: bool | None = False
@@ -121,6 +142,11 @@ class _Generation(_Body):
             raise ValueError("must be a string or a list of strings")
         if not all(stops):
             raise ValueError("a stop string must not be empty")
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each "
+                "(every step of the engine looks for each of them)"
+            )
         return tuple(stops)
 
     @property
@@ -131,7 +157,7 @@ class _Generation(_Body):
 
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
 
     @property
     def limit(self) -> int | None:
@@ -142,7 +168,8 @@ class ChatRequest(_Generation):
         """The messages as the chat template takes them (a "developer" message is the newer
         name of a "system" one)."""
         role = lambda r: "system" if r == "developer" else r
-        return [{"role": role(m.role), "content": m.content} for m in self.messages]
+        named = lambda m: {"name": m.name} if m.name is not None else {}
+        return [{"role": role(m.role), "content": m.content, **named(m)} for m in self.messages]
 
 
 class CompletionRequest(_Generation):
@@ -150,15 +177,19 @@ class CompletionRequest(_Generation):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt: Any) -> str | list[int]:
-        """One prompt: text, or token ids (a list of several prompts is refused)."""
-        if isinstance(prompt, str):
-            return prompt
-        if isinstance(prompt, list) and all(type(t) is int for t in prompt):
-            return prompt
-        if isinstance(prompt, list):
-            raise ValueError("must be one prompt: a string or a list of token ids")
-        raise ValueError("must be a string or a list of token ids")
+    def _prompts(cls, prompt: Any) -> list[str | list[int]]:
+        """One prompt (text or token ids) or a list of them, each answered as a choice of its
+        own (LangChain always sends a list); always a list here."""
+        one = lambda p: (
+            isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p))
+        )
+        if one(prompt):
+            return [prompt]
+        if not isinstance(prompt, list) or not prompt or not all(one(p) for p in prompt):
+            raise ValueError("must be a string, a list of token ids, or a non-empty list of those")
+        if len(prompt) > MAX_PROMPTS:
+            raise ValueError(f"at most {MAX_PROMPTS} prompts in one request, got {len(prompt)}")
+        return prompt
 
 
 def sampling_settings(body: _Generation) -> dict[str, Any]:
@@ -180,15 +211,64 @@ def sampling_settings(body: _Generation) -> dict[str, Any]:
 def parse_request(raw: bytes, kind: type[_Body]) -> Any:
     """The request body as `kind`, or ApiError(400) naming the field at fault."""
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except ValueError as e:  # NaN, Infinity, -Infinity: Python's extensions, not JSON
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    where = _lone_surrogate(data)
+    if where is not None:
+        raise ApiError(
+            400,
+            f"invalid '{where}': holds a lone surrogate (\\ud800-\\udfff), which is not text",
+            param=where,
+        )
     try:
         return kind.model_validate(_without_neutral(data))
     except ValidationError as e:
         raise _first_problem(e) from None
+
+
+def _not_json(constant: str) -> Any:
+    raise ValueError(f"{constant} is not a JSON number")
+
+
+def _lone_surrogate(data: Any) -> str | None:
+    """The path of the first string (or key) holding a lone surrogate, which JSON's \\u escapes
+    can write but no tokenizer can read; None if there is none. Walks without recursion (the
+    parser has bounded the depth, not the width)."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            for key, item in value.items():
+                path = f"{where}.{_printable(key)}".lstrip(".")
+                if _has_surrogate(key):
+                    return path
+                stack.append((path, item))
+        elif isinstance(value, list):
+            stack += [(f"{where}[{i}]", item) for i, item in enumerate(value)]
+        elif isinstance(value, str) and _has_surrogate(value):
+            return where
+    return None
+
+
+def _printable(text: str) -> str:
+    """The text with each lone surrogate written as its escape (\\ud800), so that it can go
+    into an error message."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _has_surrogate(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def _without_neutral(data: dict[str, Any]) -> dict[str, Any]:
@@ -242,18 +322,23 @@ class Reply:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
 
-    def response(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
-        """The whole answer of a request that did not stream."""
-        if self.kind == "chat":
-            choice = {"message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"text": text}
-        choice.update(index=0, finish_reason=finish_reason, logprobs=None)
-        return self._envelope("", [choice], usage=usage)
+    def response(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
+        """The whole answer of a request that did not stream: (text, finish_reason) of each
+        choice."""
+        out = []
+        for index, (text, finish_reason) in enumerate(choices):
+            if self.kind == "chat":
+                choice = {"message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"text": text}
+            out.append({**choice, "index": index, "finish_reason": finish_reason, "logprobs": None})
+        return self._envelope("", out, usage=usage)
 
-    def chunk(self, text: str = "", finish_reason: str | None = None, first: bool = False):
-        """One stream chunk: new text, or the finish reason (a chat chunk carries the role
-        once, in the first chunk, and an empty delta with the finish reason)."""
+    def chunk(
+        self, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0
+    ) -> dict[str, Any]:
+        """One stream chunk of choice `index`: new text, or the finish reason (a chat chunk
+        carries the role once, in the first chunk, and an empty delta with the finish reason)."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else {}
             if text:
@@ -261,7 +346,7 @@ class Reply:
             choice = {"delta": delta}
         else:
             choice = {"text": text}
-        choice.update(index=0, finish_reason=finish_reason, logprobs=None)
+        choice.update(index=index, finish_reason=finish_reason, logprobs=None)
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope(".chunk", [choice], **extra)
 

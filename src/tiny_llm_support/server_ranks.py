@@ -48,20 +48,22 @@ def with_seed(params: Any) -> Any:
 
 def apply(engine: Any, op: list, params_class: type) -> None:
     """One operation of rank 0's turn, on a following rank's engine. An add that rank 0's
-    engine refused is refused here the same way (the request id it took is taken here too)."""
+    engine refused is refused here the same way (the request id it took is taken here too),
+    whatever it raised."""
     if op[0] == "abort":
         engine.abort(op[1])
         return
     settings = op[2] | {"stop": tuple(op[2]["stop"])}
     try:
         engine.add_request(op[1], params_class(**settings))
-    except ValueError:
+    except Exception:
         pass
 
 
 def follow(engine: Any, group: mx.distributed.Group, params_class: type) -> None:
     """A following rank's whole life: rank 0's operations of each turn, then the same step,
-    until rank 0 says close."""
+    until rank 0 says close. A step that fails here fails on rank 0 too (the same pass): both
+    give every page back and go on (engine_process.EngineLoop.fail_in_flight)."""
     while True:
         ops = broadcast(group, None)
         for op in ops:
@@ -70,4 +72,7 @@ def follow(engine: Any, group: mx.distributed.Group, params_class: type) -> None
                 return
             apply(engine, op, params_class)
         if engine.has_work:
-            engine.step()
+            try:
+                engine.step()
+            except Exception:
+                engine.release()

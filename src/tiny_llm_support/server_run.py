@@ -1,5 +1,8 @@
 """How serve.py runs its app: the listening socket, and uvicorn with the stop signals handled
-so that requests in flight end with an error rather than hang or vanish."""
+so that requests in flight end with an error rather than hang or vanish, and with every
+connection bounded in time: idle after a response (uvicorn's keep-alive timeout) and before a
+request's headers are whole (HeaderTimeout, which uvicorn lacks); a request body has its own
+limit in server.read_body."""
 
 from __future__ import annotations
 
@@ -11,10 +14,47 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .server_engine import EngineService
+from .server_engine import EngineClient
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+KEEP_ALIVE_S = 5  # an idle connection is closed this long after its last response
+HEADERS_S = 10  # a connection must send a request's whole headers within this
+
+
+class HeaderTimeout(H11Protocol):
+    """uvicorn's HTTP/1.1 protocol, closing a connection that has not sent a whole request
+    head within HEADERS_S of opening or of its last response (a client that connects and says
+    nothing, or a byte a minute, would otherwise hold a file descriptor forever)."""
+
+    def connection_made(self, transport: Any) -> None:
+        super().connection_made(transport)
+        self._arm()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm()
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a request's head arrived: its handler runs now
+            self._timer.cancel()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if getattr(self, "_timer", None) is not None:
+            self._timer.cancel()
+        self._timer = self.loop.call_later(HEADERS_S, self._expire)
+
+    def _expire(self) -> None:
+        waiting = self.cycle is None or self.cycle.response_complete
+        if waiting and not self.transport.is_closing():
+            self.transport.close()
 
 
 class StoppableServer(uvicorn.Server):
@@ -69,10 +109,16 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve(app: FastAPI, sock: socket.socket, service: EngineService) -> StoppableServer:
-    """Serve on `sock` until a signal, or until the engine fails; returns the stopped server
-    (its stop_signal says which signal, if any, stopped it)."""
-    config = uvicorn.Config(app, log_level="info", timeout_graceful_shutdown=30)
+def serve(app: FastAPI, sock: socket.socket, service: EngineClient) -> StoppableServer:
+    """Serve on `sock` until a signal, or until the engine is gone for good; returns the
+    stopped server (its stop_signal says which signal, if any, stopped it)."""
+    config = uvicorn.Config(
+        app,
+        log_level="info",
+        timeout_graceful_shutdown=30,
+        timeout_keep_alive=KEEP_ALIVE_S,
+        http=HeaderTimeout,
+    )
     server = StoppableServer(config, on_stop=service.close)
     service.on_failure = server.stop
     server.run(sockets=[sock])

@@ -7,6 +7,12 @@
 // The snapshots are made by the engine thread (server_engine.EngineWatch, whose `snapshot`
 // lists their fields); this page only draws the latest one. Every value from the server goes
 // into the page as text (textContent), never as HTML.
+//
+// The page itself may hold a snapshot: the server writes the engine's latest one into
+// <script id="first-snapshot" type="application/json"> (null with --api-key: the page holds no
+// data until the key is given), and this page draws it at once, before /events answers, so
+// that even a page that never runs long enough to connect (a headless screenshot) shows the
+// engine.
 
 "use strict";
 
@@ -86,7 +92,7 @@ function addMessage(role, text) {
 
 // One question, streamed into its own answer. Several may run at once: each is a request of
 // its own, sent with the turns answered so far.
-async function send(question, maxTokens) {
+async function send(question, maxTokens, temperature) {
   const messages = [...page.history, { role: "user", content: question }];
   addMessage("user", question);
   const answer = addMessage("answer", "");
@@ -101,7 +107,13 @@ async function send(question, maxTokens) {
     const response = await fetch("/v1/chat/completions", {
       method: "POST",
       headers: { "Content-Type": "application/json", ...authHeaders() },
-      body: JSON.stringify({ model: await page.model, messages, stream: true, max_tokens: maxTokens }),
+      body: JSON.stringify({
+        model: await page.model,
+        messages,
+        stream: true,
+        max_tokens: maxTokens,
+        temperature,
+      }),
       signal: stop.signal,
     });
     if (!response.ok) throw new Error((await response.json()).error.message);
@@ -125,6 +137,13 @@ async function send(question, maxTokens) {
   }
 }
 
+// The temperature control's value, 0 to 2; 0 (greedy: the likeliest token each time) when it
+// is empty or not a number. Sent with every request: the API's default is 1 (OpenAI's).
+function temperature() {
+  const value = document.getElementById("temperature").valueAsNumber;
+  return Number.isFinite(value) ? Math.min(2, Math.max(0, value)) : 0;
+}
+
 function setUpChat() {
   const form = document.getElementById("chat-form");
   const prompt = document.getElementById("prompt");
@@ -133,7 +152,7 @@ function setUpChat() {
     const question = prompt.value.trim();
     if (!question) return;
     prompt.value = "";
-    send(question, Number(document.getElementById("max-tokens").value) || 128);
+    send(question, Number(document.getElementById("max-tokens").value) || 128, temperature());
   });
   prompt.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) form.requestSubmit();
@@ -367,6 +386,20 @@ function drawEvents(events) {
 
 // --- start ------------------------------------------------------------------------------------
 
+// The snapshot the server wrote into the page, drawn at once (nothing when it is null).
+function drawFirstSnapshot() {
+  const element = document.getElementById("first-snapshot");
+  if (element === null) return;
+  try {
+    const snapshot = JSON.parse(element.textContent);
+    if (snapshot === null) return;
+    page.latest = snapshot;
+    draw(snapshot);
+  } catch (error) {
+    console.error(`the page's first snapshot: ${error.message}`); // /events draws the next one
+  }
+}
+
 let watching = false;
 
 function connect() {
@@ -394,6 +427,7 @@ function askForKey(problem) {
 
 setUpChat();
 setUpPause();
+drawFirstSnapshot();
 page.key = sessionStorage.getItem("tiny-llm-api-key");
 const needsKey = document.querySelector('meta[name="api-key"]').content === "required";
 if (needsKey && !page.key) askForKey("");

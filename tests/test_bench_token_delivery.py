@@ -1,0 +1,24 @@
+"""A smoke run of benches/token_delivery.py (not a course day): the shipped tiny model, two
+streams of three tokens, one run; every token must arrive stamped, after it was sampled."""
+
+import json
+
+from helpers import load_bench
+
+load_bench("common")
+load_bench("serving_overhead")
+token_delivery = load_bench("token_delivery")
+
+
+def test_bench_token_delivery_smoke(tmp_path):
+    out = tmp_path / "out.json"
+    args = ["--streams", "2", "--max-tokens", "3", "--repeats", "1", "--json-output", str(out)]
+    assert token_delivery.main(args) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["server"] == "process" and run["streams"] == 2
+    assert len(run["delays_ms"]) >= 2, "each stream's text chunks carry tiny_llm_sampled_at"
+    assert all(d >= 0 for d in run["delays_ms"]), "a token cannot arrive before it was sampled"
+    summary = report["summary"]["process"]
+    assert summary["delivery_ms"]["count"] == len(run["delays_ms"])
+    assert report["targets"]["delivery_p95_ms_at_most"] == 5
