@@ -4,13 +4,18 @@ checkout, run alternately in the same way).
 
 serve.py runs on a free loopback port with TINY_LLM_STAMP_TOKENS=1, so every stream chunk also
 carries `tiny_llm_sampled_at`: the engine's time.monotonic() when the step that sampled its
-tokens ended (CLOCK_MONOTONIC is one clock for every process of the machine). `--streams`
-greedy chat streams start at once; each chunk's delivery time is its arrival here minus that
-stamp. A "burst start" is a stream whose first two tokens arrived within 1 ms of each other
-although they were sampled at least 5 ms apart: they were held back and sent together.
+tokens ended (CLOCK_MONOTONIC is one clock for every process of the machine). Each run has two
+phases: `--streams` greedy chat streams started at once ("concurrent"), then `--sequential`
+streams one after the other ("sequential", a client at concurrency 1). A chunk's delivery time is
+its arrival here minus its stamp. A "burst start" is a stream whose first two events (the role,
+sent as soon as the request is accepted, and the first token, after the prompt's prefill)
+arrived within 1 ms of each other: they were held back and sent together.
 
-    pdm run bench-token-delivery [--model tiny] [--streams 8] [--max-tokens 64] [--repeats 3]
-                                 [--before DIR]
+    pdm run bench-token-delivery [--model tiny] [--streams 8] [--sequential 8] [--max-tokens 64]
+                                 [--repeats 3] [--before DIR] [--load N]
+
+--load N runs N busy processes beside the server during the measurement (each stops by itself
+after 600 s at most), for a machine under CPU load.
 
 Writes benches/results/token-delivery-<model>-<host>.json (or --json-output).
 """
@@ -59,20 +64,27 @@ QUESTIONS = [
     "Who are you?",
 ]
 BURST_ARRIVAL_S, BURST_SAMPLED_S = 0.001, 0.005
+SPIN = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"  # --load
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--model", default="tiny", help="tiny (the shipped chat model) or a path")
     p.add_argument("--streams", type=int, default=8, help="streams started at once")
+    p.add_argument("--sequential", type=int, default=8, help="streams sent one at a time")
     p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per stream")
     p.add_argument("--repeats", type=int, default=3, help="runs of each server, alternating")
     p.add_argument("--before", type=Path, help="a checkout whose serve.py runs alternately")
+    p.add_argument(
+        "--load", type=int, default=0, help="busy processes beside the server (CPU load)"
+    )
     add_output_arguments(p, "token-delivery-<model>-<host>.json")
     args = p.parse_args(argv)
-    for name in ("streams", "max_tokens", "repeats"):
+    for name in ("streams", "sequential", "max_tokens", "repeats"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if not 0 <= args.load <= 64:
+        p.error("--load must be in 0..64")
     if args.before is not None and not (args.before / "serve.py").is_file():
         p.error(f"--before {args.before}: no serve.py there")
     check_checkpoint_arg(p, args.model)
@@ -84,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_server(root: Path, args: argparse.Namespace, tmp: Path) -> dict:
-    """One run: serve.py of `root`, `--streams` streams at once; every chunk's delivery."""
+    """One run: serve.py of `root`; its streams at once, then one at a time."""
     flags = ["--model", args.model, "--port", "0", "--batch-size", str(args.streams)]
     env = dict(os.environ, TINY_LLM_STAMP_TOKENS="1", PYTHONPATH=str(root / "src"))
     out = tmp / "serve.out"
@@ -97,25 +109,42 @@ def run_server(root: Path, args: argparse.Namespace, tmp: Path) -> dict:
             stderr=stderr,
             start_new_session=True,  # stopped by this process, in `finally` below
         )
+    busy = []
     try:
         port = wait_for_port(proc, out)
         stream(port, QUESTIONS[0], 4, args.model)  # warm-up
-        streams = [None] * args.streams
-        start = threading.Barrier(args.streams)
-
-        def one(i: int) -> None:
-            start.wait()
-            streams[i] = stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
-
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(args.streams)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        busy = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.load)]
+        concurrent = at_once(port, args)
+        sequential = [
+            stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
+            for i in range(args.sequential)
+        ]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-    delays = [arrived - sampled for chunks in streams for arrived, sampled in chunks]
+        for p in [*busy, proc]:
+            p.terminate()
+            p.wait(timeout=30)
+    return {"concurrent": phase(concurrent), "sequential": phase(sequential)}
+
+
+def at_once(port: int, args: argparse.Namespace) -> list[list[tuple[float, float]]]:
+    """`--streams` streams started together, one thread each."""
+    streams = [None] * args.streams
+    start = threading.Barrier(args.streams)
+
+    def one(i: int) -> None:
+        start.wait()
+        streams[i] = stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(args.streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return streams
+
+
+def phase(streams: list[list[tuple[float, float]]]) -> dict:
+    delays = [a - s for chunks in streams for a, s in chunks if s is not None]
     return {
         "delivery_ms": summarize(delays, 1000),
         "burst_starts": sum(burst_start(chunks) for chunks in streams),
@@ -125,7 +154,8 @@ def run_server(root: Path, args: argparse.Namespace, tmp: Path) -> dict:
 
 
 def stream(port: int, question: str, max_tokens: int, model: str) -> list[tuple[float, float]]:
-    """(arrival, sampled) of every stamped chunk of one streamed chat, read raw."""
+    """(arrival, sampled) of every data event of one streamed chat, read raw (sampled: None
+    for the first, which carries the role and no token)."""
     body = {
         "model": model, "messages": [{"role": "user", "content": question}], "stream": True,
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -138,19 +168,33 @@ def stream(port: int, question: str, max_tokens: int, model: str) -> list[tuple[
     while line := response.readline():
         arrived = time.monotonic()
         if line.startswith(b"data: {"):
-            sampled = json.loads(line[6:]).get("tiny_llm_sampled_at")
-            if sampled is not None:
-                chunks.append((arrived, sampled))
+            chunks.append((arrived, json.loads(line[6:]).get("tiny_llm_sampled_at")))
     conn.close()
     return chunks
 
 
-def burst_start(chunks: list[tuple[float, float]]) -> bool:
-    """The first two tokens arrived together although sampled apart."""
+def burst_start(chunks: list[tuple[float, float | None]]) -> bool:
+    """The first two events arrived together: the role, sent when the request was accepted,
+    and the first token, sampled after the prompt's prefill (as a client that counts events
+    sees it), or the first two tokens although they were sampled apart."""
     if len(chunks) < 2:
         return False
     (a0, s0), (a1, s1) = chunks[:2]
-    return a1 - a0 < BURST_ARRIVAL_S and s1 - s0 >= BURST_SAMPLED_S
+    return a1 - a0 < BURST_ARRIVAL_S and (s0 is None or s1 - s0 >= BURST_SAMPLED_S)
+
+
+PHASES = ("concurrent", "sequential")
+
+
+def merged(runs: list[dict], server: str, phase: str) -> dict:
+    """One phase of one server over every repeat."""
+    mine = [r[phase] for r in runs if r["server"] == server]
+    delays = [d / 1000 for r in mine for d in r["delays_ms"]]
+    return {
+        "delivery_ms": summarize(delays, 1000),
+        "burst_starts": sum(r["burst_starts"] for r in mine),
+        "streams": sum(r["streams"] for r in mine),
+    }
 
 
 def main(argv=None) -> int:
@@ -165,26 +209,24 @@ def main(argv=None) -> int:
                 log(f"repeat {repeat + 1}/{args.repeats}: {name} ({root})")
                 run = run_server(root, args, Path(tmp))
                 runs.append({"server": name, "repeat": repeat, **run})
-    summary = {}
-    for name in servers:
-        mine = [r for r in runs if r["server"] == name]
-        delays = [d / 1000 for r in mine for d in r["delays_ms"]]
-        summary[name] = {
-            "delivery_ms": summarize(delays, 1000),
-            "burst_starts": sum(r["burst_starts"] for r in mine),
-            "streams": sum(r["streams"] for r in mine),
-        }
-    settings = {k: getattr(args, k) for k in ("model", "streams", "max_tokens", "repeats")}
-    settings["before"] = None if args.before is None else str(args.before)
+    summary = {name: {p: merged(runs, name, p) for p in PHASES} for name in servers}
+    settings = {
+        k: getattr(args, k) for k in ("model", "streams", "sequential", "max_tokens", "load")
+    }
+    settings |= {
+        "repeats": args.repeats,
+        "before": None if args.before is None else str(args.before),
+    }
     report = {"host": host_info(), "settings": settings, "runs": runs, "summary": summary}
     report["targets"] = {"delivery_p95_ms_at_most": 5, "burst_starts": 0}
     write_json(args.json_output, report)
-    for name, s in summary.items():
-        d = s["delivery_ms"]
-        print(
-            f"engine {name:8s} delivery p50 {d['median']:6.2f} ms  p95 {d['p95']:6.2f} ms  "
-            f"max {d['max']:7.2f} ms  burst starts {s['burst_starts']}/{s['streams']}"
-        )
+    for name, phases in summary.items():
+        for p, s in phases.items():
+            d = s["delivery_ms"]
+            print(
+                f"engine {name:7s} {p:10s} delivery p50 {d['median']:5.2f} ms  p95 {d['p95']:5.2f}"
+                f" ms  max {d['max']:6.2f} ms  burst starts {s['burst_starts']}/{s['streams']}"
+            )
     print(f"wrote {args.json_output}")
     return 0
 

@@ -12,8 +12,9 @@ pass never delays the HTTP side's streaming, and nothing the engine raises can s
     engine -> HTTP   ("ready", info) | ("failed", kind, text)    once, after building the engine
                      ("accepted", key) | ("refused", key, status, message)
                      ("turn", outputs, stats)                    what a step produced
-                     ("snapshot", text, stats)                   the live page's view, when due
-                     ("failure", keys, message)                  a step failed: these requests end
+                     ("state", snapshot, stats)                  the live page's view and the
+                                                                 counters, at most 20 a second
+                     ("failure", keys, message, stats)           a step failed: these requests end
 
 Containment: a request that cannot be added is refused alone (400 when the engine says the input
 is at fault with a ValueError, else 500); a step that raises ends the requests in flight with a
@@ -26,6 +27,7 @@ the pipe closes and this process ends at its next turn.
 from __future__ import annotations
 
 import argparse
+import math
 import signal
 import sys
 import time
@@ -37,7 +39,7 @@ from typing import Any
 
 from . import batch_settings as settings
 from . import cli
-from .live_view import EngineWatch
+from .live_view import MIN_INTERVAL_S, EngineWatch
 from .server_ranks import add_op, broadcast, with_seed
 
 RESTART_STATUS = 75  # "start me again": the engine lost track of its pages after a failure
@@ -121,6 +123,7 @@ class EngineLoop:
         self.live: dict[int, int] = {}  # engine request id -> the HTTP side's key
         self.watch = EngineWatch()
         self.failures = 0
+        self.reported = -math.inf  # when the counters and the page's snapshot went last
 
     def build(self, args: argparse.Namespace, path: Path, draft_path: Path | None) -> bool:
         """Build the engine and say "ready" (or why not, as the line serve prints)."""
@@ -181,17 +184,18 @@ class EngineLoop:
             outputs = self.step() if self.engine.has_work else []
             if outputs is None:
                 return RESTART_STATUS
-            self.report_turn(outputs, now=asked or not self.engine.has_work, changed=bool(ops))
+            self.report_turn(outputs, now=asked or not self.engine.has_work)
 
-    def report_turn(self, outputs: list[tuple], now: bool, changed: bool = False) -> None:
-        """Send a turn's outputs with the engine's counters, then, if one is due, a snapshot
-        for the live page (`now`: due in any case), which the tokens need not wait for."""
+    def report_turn(self, outputs: list[tuple], now: bool) -> None:
+        """Send a step's outputs at once, with the engine's counters (cheap), then, when due
+        (at most MIN_INTERVAL_S apart, or `now`), a snapshot for the live page."""
         stats = {**self.engine.stats(), "engine_failures": self.failures}
-        if outputs or changed:
+        if outputs:
             self.send("turn", outputs, stats)
-        snapshot = self.watch.publish(self.engine, stats, now=now)
-        if snapshot is not None:
-            self.send("snapshot", snapshot, stats)
+        if not now and time.monotonic() - self.reported < MIN_INTERVAL_S:
+            return
+        self.reported = time.monotonic()
+        self.send("state", self.watch.publish(self.engine, stats), stats)
 
     def commands(self) -> list[tuple]:
         """The commands waiting; when the engine has nothing to do, sleep until one comes.
@@ -263,7 +267,8 @@ class EngineLoop:
         self.failures += 1
         self.engine.release()  # Engine.step released already, unless collecting raised
         message = f"the engine failed in a step and ended this request: {brief(error)}"
-        self.send("failure", list(self.live.values()), message)
+        stats = {**self.engine.stats(), "engine_failures": self.failures}
+        self.send("failure", list(self.live.values()), message, stats)
         self.live.clear()
         self.watch.note("failure", None, detail=brief(error))
         if self.engine.stats().get("pages_in_use"):

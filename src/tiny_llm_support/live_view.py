@@ -1,16 +1,15 @@
 """The live page's view of the engine, made in the engine process (engine_process.py).
 
 The engine reports every scheduler event to an EngineWatch (Engine(on_step=...)); after each turn
-of the engine loop, `publish` turns the engine's state into a small JSON snapshot (at most
-MIN_INTERVAL_S apart while the engine works, always when it goes idle or when asked), which the
-engine process sends to the HTTP process. There the latest snapshot is kept for GET / (drawn at
+of the engine loop that reports its state (at most MIN_INTERVAL_S apart while the engine works,
+always when it goes idle or when asked), `publish` turns the engine's state into a small JSON
+snapshot, which the engine process sends to the HTTP process. There the latest snapshot is kept for GET / (drawn at
 once) and handed to every /events client (server_engine.Subscriber).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import sys
 import time
 import traceback
@@ -37,7 +36,6 @@ class EngineWatch:
         self.events: deque[dict[str, Any]] = deque(maxlen=EVENTS_KEPT)
         self.events_seen = 0
         self.started = time.monotonic()
-        self.last_sent = -math.inf
         self.broken = False  # a snapshot failed once: the page is not worth more tries
 
     def on_step(self, step: Any) -> None:
@@ -65,21 +63,18 @@ class EngineWatch:
         self.events_seen += 1
         self.events.append({"n": self.events_seen, "kind": kind, "request": request_id, **fields})
 
-    def publish(self, engine: Any, stats: dict[str, Any], now: bool = False) -> str | None:
-        """A snapshot as JSON text, or None when the last one left less than MIN_INTERVAL_S
-        ago (`now`: make it anyway). Never raises: the page is not worth stopping the engine
-        for, so after a failure it gets no more snapshots and serving goes on."""
-        if self.broken or (not now and time.monotonic() - self.last_sent < MIN_INTERVAL_S):
+    def publish(self, engine: Any, stats: dict[str, Any]) -> str | None:
+        """A snapshot as JSON text. Never raises: the page is not worth stopping the engine
+        for, so after a failure it gets no more snapshots (None) and serving goes on."""
+        if self.broken:
             return None
         try:
-            text = json.dumps(self.snapshot(engine, stats), separators=(",", ":"))
+            return json.dumps(self.snapshot(engine, stats), separators=(",", ":"))
         except Exception:
             traceback.print_exc()
             print("error: the live view failed; /events gets no more snapshots", file=sys.stderr)
             self.broken = True
             return None
-        self.last_sent = time.monotonic()
-        return text
 
     def snapshot(self, engine: Any, stats: dict[str, Any]) -> dict[str, Any]:
         """The engine as the page draws it:

@@ -4,11 +4,12 @@ and hands back what it produces.
 
     HTTP process (asyncio: parse, tokenize, stream)          engine process (owns MLX)
       handler --submit--> outbox --writer thread--> pipe --> commands, one step, outputs
-      handler <--Channel-- event loop <--reader thread-- pipe <--------------------'
+      handler <--Channel-- event loop <-------------- pipe <------------------------'
 
-The two threads only move messages between the pipe and the event loop, where every request's
-Channel and every /events Subscriber lives; no handler ever waits for the engine, and the engine
-never waits for a client. A request is known to both sides by a key the HTTP side chooses; the
+The event loop reads the pipe itself whenever it is readable (add_reader), and every request's
+Channel and every /events Subscriber lives on it; a writer thread sends the handlers' commands,
+so that a long prompt never blocks the loop while the engine is busy. No handler ever waits for
+the engine, and the engine never waits for a client. A request is known to both sides by a key the HTTP side chooses; the
 pipe keeps commands in order, so an abort always arrives after the add it cancels.
 
 When the engine process ends unasked (killed, crashed, or exiting to be restarted), every request
@@ -120,8 +121,8 @@ class Subscriber:
 
 
 class EngineProcess:
-    """One engine process and its pipe: a writer thread sends what is put in `outbox`, a
-    reader thread hands every message to `deliver`, and then `ended()`."""
+    """One engine process and its pipe, whose messages the event loop reads as they come
+    (EngineClient.attach); a writer thread sends what is put in `outbox`."""
 
     def __init__(self, args: argparse.Namespace, path: Path, draft_path: Path | None) -> None:
         context = multiprocessing.get_context("spawn")  # a fresh interpreter: no MLX state forked
@@ -155,28 +156,16 @@ class EngineProcess:
             raise EngineStartError(message[1], message[2])
         return message[1]
 
-    def run(self, deliver, ended) -> None:
-        """Start the two threads."""
+    def start_writer(self) -> None:
+        """The thread that sends what is put in `outbox`, until None."""
         threading.Thread(target=self._write, name="engine-writer", daemon=True).start()
-        reader = threading.Thread(target=self._read, args=(deliver, ended), daemon=True)
-        reader.start()
 
     def _write(self) -> None:
         while (message := self.outbox.get()) is not None:
             try:
                 self.conn.send(message)
-            except OSError:  # the engine is gone: the reader reports it
+            except OSError:  # the engine is gone: the event loop hears of it from the pipe
                 return
-
-    def _read(self, deliver, ended) -> None:
-        try:
-            while True:
-                deliver(self.conn.recv())
-        except (EOFError, OSError):
-            pass
-        self.process.join(5)
-        self.outbox.put(None)
-        ended(self)
 
     def stop(self, timeout: float) -> None:
         """Ask the engine to stop, then wait; killed if it does not."""
@@ -232,13 +221,15 @@ class EngineClient:
             self.state = "stopped"
             self._engine.stop(timeout=5)
             raise
-        self._engine.run(self._deliver, self._ended)
+        self._engine.start_writer()
         self.state = "ok"
         return self.info
 
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
-        """The event loop the handlers run on (at the app's start-up)."""
+        """The event loop the handlers run on (at the app's start-up): from now on it reads
+        the engine's messages as they come."""
         self._loop = loop
+        self._listen(self._engine)
 
     def close(self) -> None:
         """Stop serving: every request in flight gets a 503 and every /events stream ends (on
@@ -308,14 +299,21 @@ class EngineClient:
             return False
         return len(self._channels) + 1 - self._batch_size > self._max_waiting
 
-    # --- what the engine sends (reader thread, then the event loop) --------------------------
+    # --- what the engine sends (on the event loop) -------------------------------------------
 
-    def _deliver(self, message: tuple) -> None:
-        if message[0] in ("turn", "snapshot"):  # read by /metrics and GET /: plain values
-            self.stats = message[2]
-        if message[0] == "snapshot":
-            self.snapshot = message[1]
-        self._on_loop(self._dispatch, message)
+    def _listen(self, engine: EngineProcess) -> None:
+        """Read `engine`'s pipe whenever it is readable: no thread between the pipe and the
+        handlers, so a token costs one wake-up of the event loop."""
+        self._loop.add_reader(engine.conn.fileno(), self._readable, engine)
+
+    def _readable(self, engine: EngineProcess) -> None:
+        """Every message waiting on the pipe; its end means the engine process has ended."""
+        try:
+            while engine.conn.poll(0):
+                self._dispatch(engine.conn.recv())
+        except (EOFError, OSError):
+            self._loop.remove_reader(engine.conn.fileno())
+            self._ended(engine)
 
     def _dispatch(self, message: tuple) -> None:
         kind = message[0]
@@ -325,14 +323,18 @@ class EngineClient:
             _, key, status, text = message
             self._to(key, ApiError(status, text, kind=_error_kind(status)), last=True)
         elif kind == "turn":
+            self.stats = message[2]
             for fields in message[1]:
                 output = Output(*fields)
                 self._to(output.key, output, last=output.finish_reason is not None)
-        elif kind == "snapshot":
-            for subscriber in self._subscribers:
-                subscriber.put(message[1])
+        elif kind == "state":  # read by /metrics and GET / as plain values
+            snapshot, self.stats = message[1], message[2]
+            if snapshot is not None:
+                self.snapshot = snapshot
+                for subscriber in self._subscribers:
+                    subscriber.put(snapshot)
         elif kind == "failure":
-            _, keys, text = message
+            _, keys, text, self.stats = message
             self.failures.append(text)
             for key in keys:
                 self._to(key, ApiError(500, text, kind="server_error"), last=True)
@@ -343,31 +345,51 @@ class EngineClient:
             channel.put(event)
 
     def _ended(self, engine: EngineProcess) -> None:
-        """The reader thread's last word: the engine process has ended."""
-        if self._closed or engine is not self._engine:  # one we stopped
+        """The engine process has ended, unasked (on the event loop): every request in flight
+        fails, and a thread waits for the process, then starts a new one or gives up."""
+        engine.outbox.put(None)  # its writer thread ends
+        if self._closed:
             return
-        status = engine.process.exitcode
+        message = "the engine process ended while it ran this request"
+        self._end_all(ApiError(500, message, kind="server_error"))
+        self.state = "restarting" if self._may_restart() else "stopped"
+        threading.Thread(target=self._replace, args=(engine,), daemon=True).start()
+
+    def _may_restart(self) -> bool:
+        now = time.monotonic()
+        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
+            self._restarts.popleft()
+        return self._restartable and len(self._restarts) < MAX_RESTARTS
+
+    def _replace(self, ended: EngineProcess) -> None:
+        """(A thread of its own.) Why it ended, then a new engine process, or give up."""
+        ended.process.join(5)
+        status = ended.process.exitcode
         reason = f"the engine process ended (exit status {status})"
         if status == engine_process.RESTART_STATUS:
             reason = "the engine restarted after a failed step left pages in use"
         self.failures.append(reason)
-        self._on_loop(self._end_all, ApiError(500, reason, kind="server_error"))
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
-            self._restarts.popleft()
-        if not self._restartable or len(self._restarts) >= MAX_RESTARTS:
+        if self.state != "restarting":
             self._give_up(reason)
             return
-        self._restarts.append(now)
-        self.state = "restarting"
+        self._restarts.append(time.monotonic())
         print(f"error: {reason}; starting a new one", file=sys.stderr, flush=True)
         try:
-            self._engine = EngineProcess(*self._spawn_args)
-            self._engine.wait_ready()
+            engine = EngineProcess(*self._spawn_args)
+            engine.wait_ready()
         except Exception as e:
             self._give_up(f"{reason}, and a new one did not start: {e}")
             return
-        self._engine.run(self._deliver, self._ended)
+        self._on_loop(self._replaced, engine)
+
+    def _replaced(self, engine: EngineProcess) -> None:
+        """The new engine process is ready (on the event loop)."""
+        if self._closed:
+            engine.stop(timeout=5)
+            return
+        self._engine = engine
+        engine.start_writer()
+        self._listen(engine)
         self.state = "ok"
 
     def _give_up(self, reason: str) -> None:
