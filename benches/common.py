@@ -779,7 +779,7 @@ def run_in_own_session(command: list[str], **popen) -> int:
             proc.kill()
             proc.wait()
         raise
-    finally:
+    finally:  # the mask is still blocked here only when Popen itself raised
         signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 

@@ -64,9 +64,8 @@ from tiny_llm_support import (
     load_checkpoint,
     make_tiny_checkpoint,
     quantize_checkpoint,
-    reexec_with_openblas,
 )
-from tiny_llm_support.cli import int_at_least
+from tiny_llm_support.cli import int_at_least, run_script
 
 SCHEMA = "tiny-llm/bench-quantization/v1"
 GROUP_SIZE = 64
@@ -337,5 +336,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    reexec_with_openblas()
-    sys.exit(startup.run(main))
+    run_script(main)

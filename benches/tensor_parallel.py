@@ -295,7 +295,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    from tiny_llm_support.cli import reexec_with_openblas
+    from tiny_llm_support.cli import run_script
 
-    reexec_with_openblas()  # the ranks inherit the preloaded OpenBLAS
-    sys.exit(startup.run(main))
+    run_script(main)  # with OpenBLAS preloaded where it helps: the ranks inherit it

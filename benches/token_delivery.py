@@ -51,18 +51,11 @@ from common import (
 )
 from serving_overhead import wait_for_port
 
+from tiny_llm_support.demo_prompts import DEMO_PROMPTS
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benches" / "results"
-QUESTIONS = [
-    "What is a KV cache?",
-    "Tell me a short story about a cat.",
-    "What is paged attention?",
-    "Why is the sky blue?",
-    "What does the scheduler do?",
-    "Explain continuous batching.",
-    "What is RoPE?",
-    "Who are you?",
-]
+QUESTIONS = [p.question for p in DEMO_PROMPTS if p.context is None]  # short chat prompts
 BURST_ARRIVAL_S, BURST_SAMPLED_S = 0.001, 0.005
 SPIN = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"  # --load
 

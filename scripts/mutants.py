@@ -26,9 +26,12 @@ import sys
 import tempfile
 import time
 import tokenize
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from operator import attrgetter, itemgetter
 from pathlib import Path
+from typing import Any
 
 from tiny_llm_support import startup
 
@@ -162,14 +165,13 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
     return mutant
 
 
-def keyed(mutants: list) -> dict:
-    """(module, line, what, n) -> mutant, n counting the same change twice on one line."""
+def keyed(mutants: list, key: Callable[[Any], tuple]) -> dict:
+    """key(m) + (n,) -> mutant, key giving (module, line, what), n counting the same change
+    twice on one line."""
     out = {}
     for m in mutants:
-        module, line, what = (m["module"], m["line"], m["what"]) if isinstance(m, dict) else (
-            m.module, m.line, m.what)  # fmt: skip
-        n = sum(k[:3] == (module, line, what) for k in out)
-        out[(module, line, what, n)] = m
+        k = key(m)
+        out[(*k, sum(seen[:3] == k for seen in out))] = m
     return out
 
 
@@ -178,8 +180,8 @@ def rerun_survivors(path: Path, args) -> int:
     and write the file back with their new outcomes."""
     old = json.loads(path.read_text(encoding="utf-8"))
     days = {tuple(map(int, row["day"].split("."))) for row in old["days"]}
-    fresh = keyed(make_mutants(days))
-    runs = keyed(old["mutants"])
+    fresh = keyed(make_mutants(days), attrgetter("module", "line", "what"))
+    runs = keyed(old["mutants"], itemgetter("module", "line", "what"))
     alive = [k for k, m in runs.items() if m["outcome"] == "survived"]
     missing = [k for k in alive if k not in fresh]
     if missing:
@@ -195,18 +197,25 @@ def rerun_survivors(path: Path, args) -> int:
     mutants = [Mutant(**{**m, "day": tuple(m["day"]), "text": ""}) for m in runs.values()]
     for m in mutants:  # results written before tested_by existed
         m.tested_by = tuple(map(tuple, m.tested_by)) or (m.day,)
-    why = {row["day"]: row.get("survivors_why", {}) for row in old["days"]}
-    old["days"] = day_table(mutants)
-    for row in old["days"]:  # keep the reasons of those still alive, and count again
-        known = why[row["day"]]
+    old["days"] = with_reasons(day_table(mutants), old)
+    path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0
+
+
+def with_reasons(table: list[dict], earlier: dict | None) -> list[dict]:
+    """The day rows with the reasons an earlier results file gave for the survivors still
+    alive (`survivors_why`, written by hand: "equivalent: ..." or why no test can kill it), and
+    the counts that follow from them."""
+    why = {row["day"]: row.get("survivors_why", {}) for row in (earlier or {}).get("days", [])}
+    for row in table:
+        known = why.get(row["day"], {})
         row["survivors_why"] = {s: known[s] for s in row["survivors"] if s in known}
         same = sum(r.startswith("equivalent") for r in row["survivors_why"].values())
         row["equivalent"] = same
         killable = row["mutants"] - same
         row["killed_of_non_equivalent"] = round(row["killed"] / killable, 3) if killable else None
-    path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
-    print(f"wrote {path}")
-    return 0
+    return table
 
 
 def day_table(mutants: list[Mutant]) -> list[dict]:
@@ -244,6 +253,13 @@ def main() -> int:
         metavar="JSON",
         help="run only the survivors of these results again and update the file",
     )
+    p.add_argument(
+        "--reasons",
+        type=Path,
+        metavar="JSON",
+        help="keep the survivors' reasons from these results (default: from --json-output's "
+        "file, when it exists)",
+    )
     args = p.parse_args()
     if args.rerun_survivors:
         return rerun_survivors(args.rerun_survivors, args)
@@ -255,6 +271,10 @@ def main() -> int:
         days = {(w, d) for w, d in found if w == args.week and args.day in (None, d)}
         if not days:
             p.error(f"no task bodies for week {args.week}" + (f" day {args.day}" * bool(args.day)))
+    reasons = args.reasons or args.json_output  # read before the run: a bad file fails at once
+    earlier = None
+    if reasons is not None and (args.reasons is not None or reasons.is_file()):
+        earlier = json.loads(reasons.read_text(encoding="utf-8"))
     mutants = make_mutants(days)
     print(f"mutants: {len(mutants)} mutants of the task bodies, {args.jobs} at a time", flush=True)
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutants-") as tmp:
@@ -263,7 +283,7 @@ def main() -> int:
             for n, m in enumerate(runs, start=1):
                 day = f"{m.day[0]}.{m.day[1]}"
                 print(f"  [{n}/{len(mutants)}] {day} {m.module}:{m.line} {m.what}: {m.outcome}")
-    table = day_table(mutants)
+    table = with_reasons(day_table(mutants), earlier)
     print(f"\n{'day':>5} {'mutants':>8} {'killed':>7} {'survived':>9} {'killed %':>9}")
     for row in table:
         share = f"{100 * row['killed_fraction']:.0f}%" if row["mutants"] else "-"

@@ -169,3 +169,29 @@ def watch_health(server: Server, timeout: float) -> list[tuple[int, str]]:
             break
         time.sleep(0.02)
     return seen
+
+
+def test_the_engine_process_ends_with_the_server(tmp_path):
+    """SIGKILL the server itself (no clean-up runs): its engine process sees the pipe close and
+    ends too, instead of holding the model's memory as an orphan."""
+    s = Server(tmp_path, *ENGINE_FLAGS)
+    try:
+        pid = health(s)[1]["engine_pid"]
+        s.proc.send_signal(signal.SIGKILL)
+        s.proc.wait(timeout=10)
+        wait_until(lambda: not alive(pid), 20, f"the engine process {pid} ends")
+    finally:
+        s.stop(signal.SIGKILL)
+
+
+def alive(pid: int) -> bool:
+    """Whether a process runs (on Linux, a zombie, dead but not yet reaped, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:  # no /proc here, or the process has just gone
+        return not os.path.isdir("/proc")
+    return state != "Z"

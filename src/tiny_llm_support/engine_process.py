@@ -105,11 +105,7 @@ def main(conn: Connection, args: argparse.Namespace, path: Path, draft_path: Pat
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
     loop = EngineLoop(conn)
-    try:
-        started = loop.build(args, path, draft_path)
-    finally:
-        sys.stdout.flush()
-    if started:
+    if loop.build(args, path, draft_path):
         sys.exit(loop.serve())
 
 
@@ -156,6 +152,7 @@ class EngineLoop:
         return group
 
     def send(self, *message: Any) -> bool:
+        sys.stdout.flush()  # what this process printed comes before what the message causes
         try:
             self.conn.send(message)
         except OSError:  # the HTTP process is gone; the next turn notices

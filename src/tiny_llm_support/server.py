@@ -26,10 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import math
-import sys
 import time
-import traceback
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from importlib import resources
@@ -53,9 +50,10 @@ from .server_api import (
     parse_request,
     sampling_settings,
     sse,
-    usage,
 )
-from .server_engine import Channel, EngineClient, stamping
+from .server_engine import Channel, EngineClient
+from .server_metrics import prometheus_text
+from .server_stream import indexed, server_error, sse_events, usage_of
 from .tokenizer import ChatTemplateError, check_chat_text
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
@@ -341,84 +339,6 @@ class OpenAIServer:
             self._cancel(channels)
 
 
-async def outputs(channel: Channel) -> AsyncIterator[Any]:
-    """The engine's outputs for one request, up to the one with a finish reason."""
-    while True:
-        output = await channel.next()
-        if output.finish_reason == "abort":
-            raise ApiError(503, "the request was aborted", kind="server_error")
-        yield output
-        if output.finish_reason is not None:
-            return
-
-
-async def indexed(channels: list[Channel]) -> AsyncIterator[tuple[int, Any]]:
-    """(i, output) of every request as the outputs come, until each has finished; the first
-    ApiError of any request is raised. One request is read directly; several through one
-    queue that a task per request fills."""
-    if len(channels) == 1:
-        async for output in outputs(channels[0]):
-            yield 0, output
-        return
-    merged: asyncio.Queue = asyncio.Queue()
-
-    async def pump(i: int, channel: Channel) -> None:
-        try:
-            async for output in outputs(channel):
-                merged.put_nowait((i, output))
-        except ApiError as e:
-            merged.put_nowait((i, e))
-
-    tasks = [asyncio.create_task(pump(i, c)) for i, c in enumerate(channels)]
-    try:
-        running = len(channels)
-        while running:
-            i, item = await merged.get()
-            if isinstance(item, ApiError):
-                raise item
-            running -= item.finish_reason is not None
-            yield i, item
-    finally:
-        for task in tasks:
-            task.cancel()
-
-
-async def sse_events(channels: list[Channel], reply: Reply) -> AsyncIterator[str]:
-    """Chunks with the new text, one with the finish reason for each choice, the usage if
-    asked for, then [DONE]. A failure half way ends the stream with an error object, as
-    OpenAI's does."""
-    if reply.kind == "chat":
-        yield sse(reply.chunk(first=True))
-    stamp = stamping()
-    last: list[Any] = [None] * len(channels)
-    try:
-        async for i, output in indexed(channels):
-            last[i] = output
-            if output.text:
-                chunk = reply.chunk(output.text, index=i)
-                if stamp:
-                    chunk["tiny_llm_sampled_at"] = output.sampled_at
-                yield sse(chunk)
-            if output.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=output.finish_reason, index=i))
-        if reply.include_usage:
-            yield sse(reply.usage_chunk(usage_of(last)))
-    except ApiError as e:
-        yield sse(e.body())
-    except Exception as e:  # a bug here must not leave the client waiting for [DONE]
-        yield sse(_server_error(e).body())
-    yield sse("[DONE]")
-
-
-def usage_of(last: list[Any]) -> dict[str, Any]:
-    """The usage of a response: the counts of each request's last output, added up."""
-    return usage(
-        sum(o.prompt_tokens for o in last),
-        sum(o.completion_tokens for o in last),
-        sum(o.cached_tokens for o in last),
-    )
-
-
 def static_text(name: str) -> str:
     """A file of the live page, read at each request (edit it, reload the page)."""
     return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
@@ -467,104 +387,4 @@ async def _http_error_response(request: Request, error: HTTPException) -> Respon
 
 async def _server_error_response(request: Request, error: Exception) -> Response:
     """A bug on the server's side: a 500 with an OpenAI error object, the traceback in the log."""
-    return await _error_response(request, _server_error(error))
-
-
-def _server_error(error: Exception) -> ApiError:
-    traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
-    message = f"the server failed: {type(error).__name__}: {error}"
-    return ApiError(500, message, kind="server_error")
-
-
-# engine.stats() key -> (metric, type, help)
-METRICS = {
-    "running": ("tiny_llm_requests_running", "gauge", "requests holding a decode slot"),
-    "waiting": ("tiny_llm_requests_waiting", "gauge", "requests waiting for a slot or pages"),
-    "pages_in_use": ("tiny_llm_kv_pages_in_use", "gauge", "KV pages held by requests"),
-    "pages_free": (
-        "tiny_llm_kv_pages_free",
-        "gauge",
-        "KV pages free in a bounded pool (cached pages included: an allocation may take them)",
-    ),
-    "pages_cached": (
-        "tiny_llm_kv_pages_cached",
-        "gauge",
-        "KV pages no request holds, kept for the prefix cache (reclaimable, counted as free)",
-    ),
-    "prompt_tokens_prefilled": (
-        "tiny_llm_prompt_tokens_prefilled_total",
-        "counter",
-        "prompt tokens run through the model",
-    ),
-    "prompt_tokens_cached": (
-        "tiny_llm_prompt_tokens_cached_total",
-        "counter",
-        "prompt tokens found in the prefix cache at admissions, not run through the model",
-    ),
-    "prefix_hit_rate": (  # computed here from the two counters above
-        "tiny_llm_prefix_cache_hit_rate",
-        "gauge",
-        "prompt tokens cached / (cached + prefilled), since the start; 0 before any",
-    ),
-    "tokens_decoded": ("tiny_llm_tokens_decoded_total", "counter", "tokens generated"),
-    "tokens_proposed": (
-        "tiny_llm_spec_tokens_proposed_total",
-        "counter",
-        "tokens guessed by speculative decoding's proposer and checked by the model",
-    ),
-    "tokens_accepted": (
-        "tiny_llm_spec_tokens_accepted_total",
-        "counter",
-        "guessed tokens the model kept (each saves a pass over the weights)",
-    ),
-    "spec_acceptance_rate": (  # computed here from the two counters above
-        "tiny_llm_spec_acceptance_rate",
-        "gauge",
-        "guessed tokens accepted / proposed, since the start; 0 before any",
-    ),
-    "preemptions": ("tiny_llm_preemptions_total", "counter", "requests preempted for pages"),
-    "requests_finished": ("tiny_llm_requests_finished_total", "counter", "requests finished"),
-    "requests_aborted": ("tiny_llm_requests_aborted_total", "counter", "requests aborted"),
-    "engine_failures": (
-        "tiny_llm_engine_failures_total",
-        "counter",
-        "engine steps that raised (their requests failed with a 500; serving went on)",
-    ),
-    "refused_busy": (  # the server's own count, not the engine's
-        "tiny_llm_requests_refused_busy_total",
-        "counter",
-        "requests refused with 429 (--max-waiting)",
-    ),
-}
-
-
-def prefix_hit_rate(stats: dict[str, Any]) -> float:
-    """The share of the prompt tokens admitted so far whose KV the prefix cache held: cached /
-    (cached + prefilled), 0 before any prompt token (and with an engine that counts none)."""
-    cached = stats.get("prompt_tokens_cached", 0)
-    total = cached + stats.get("prompt_tokens_prefilled", 0)
-    return cached / total if total else 0.0
-
-
-def acceptance_rate(stats: dict[str, Any]) -> float:
-    """The share of speculative decoding's guesses that the model kept: accepted / proposed,
-    0 before any guess (and without speculation, or with an engine that counts none)."""
-    proposed = stats.get("tokens_proposed", 0)
-    return stats.get("tokens_accepted", 0) / proposed if proposed else 0.0
-
-
-def prometheus_text(stats: dict[str, Any], refused_busy: int) -> str:
-    """Prometheus' text exposition format: # HELP, # TYPE, then `name value`. A stat that is
-    None (pages_free of an unbounded pool) is left out; a stat not in METRICS is a gauge."""
-    lines = []
-    extra = {
-        "prefix_hit_rate": round(prefix_hit_rate(stats), 6),
-        "spec_acceptance_rate": round(acceptance_rate(stats), 6),
-        "refused_busy": refused_busy,
-    }
-    for key, value in {**stats, **extra}.items():
-        if not isinstance(value, int | float) or isinstance(value, bool) or math.isnan(value):
-            continue
-        name, kind, help_text = METRICS.get(key, (f"tiny_llm_{key}", "gauge", f"engine {key}"))
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(lines) + "\n"
+    return await _error_response(request, server_error(error))

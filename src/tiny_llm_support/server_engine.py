@@ -232,18 +232,27 @@ class EngineClient:
         self._listen(self._engine)
 
     def close(self) -> None:
-        """Stop serving: every request in flight gets a 503 and every /events stream ends (on
-        the event loop), and the engine process is told to stop. Any thread; signal-safe."""
+        """Stop serving: every request in flight gets a 503, every /events stream ends, and the
+        engine process is told to stop. Any thread, and a signal handler: while the event loop
+        runs, the work is done there (a handler must not take the outbox's lock, which the code
+        it interrupted may hold)."""
+        if self._loop is not None and self._loop.is_running():
+            self._on_loop(self._close)
+        else:
+            self._close()
+
+    def _close(self) -> None:
         if self._closed:
             return
         self._closed, self.state = True, "stopped"
         if self._engine is not None:
             self._engine.outbox.put(("close",))
-        self._on_loop(self._end_all, _unavailable())
+        self._end_all(_unavailable())
 
     def join(self, timeout: float) -> None:
-        """Close, and wait for the engine process to end (killed after `timeout` seconds)."""
-        self.close()
+        """Close (the event loop has stopped), and wait for the engine process to end (killed
+        after `timeout` seconds)."""
+        self._close()
         if self._engine is not None:
             self._engine.stop(timeout)
 
