@@ -150,7 +150,7 @@ def test_events_stream_the_engine_while_it_runs(live):
 
 
 def test_a_slow_client_loses_the_oldest_snapshots():
-    """The engine thread never waits: a subscriber keeps only its latest snapshots."""
+    """Nobody waits for a slow page: a subscriber keeps only its latest snapshots."""
 
     async def main():
         subscriber = server_engine.Subscriber()

@@ -172,7 +172,7 @@ class OpenAIServer:
 
     async def events(self, request: Request) -> Response:
         """A snapshot of the engine whenever it changes (at most 20 a second), as server-sent
-        events `data: {...}`, until the client leaves or the server stops. The engine thread
+        events `data: {...}`, until the client leaves or the server stops. The engine process
         makes them (live_view.EngineWatch); this handler only reads its own queue."""
         self._authorize(request)
         return StreamingResponse(

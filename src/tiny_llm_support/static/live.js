@@ -4,7 +4,7 @@
 // server-sent events ("data: ...", then a blank line):
 //   POST /v1/chat/completions with stream: true   the answer, a few characters at a time
 //   GET /events                                   a snapshot of the engine whenever it changes
-// The snapshots are made by the engine thread (server_engine.EngineWatch, whose `snapshot`
+// The snapshots are made in the engine process (live_view.EngineWatch, whose `snapshot`
 // lists their fields); this page only draws the latest one. Every value from the server goes
 // into the page as text (textContent), never as HTML.
 //
