@@ -20,6 +20,7 @@ Writes benches/results/serving-overhead-<model>-linux-2cpu.json (or --json-outpu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -28,6 +29,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tiny_llm_support import startup
@@ -153,22 +155,30 @@ def run_server(args: argparse.Namespace, workdir: Path) -> dict:
     from tiny_llm_support.cli import model_path
 
     tokenizer = load_checkpoint(model_path(args.model)).tokenizer
-    flags = ["--model", args.model, "--port", "0", "--batch-size", str(args.batch_size)]
-    flags += ["--max-seq-len", "1024"]
+    flags = ["--model", args.model, "--batch-size", str(args.batch_size), "--max-seq-len", "1024"]
+    with serve_running(flags, workdir) as port:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
+        messages = chat_prompts(tokenizer, args.prompts)
+        stream(client, messages[0], 2, args.model)  # warm-up, as for the engine
+        return measure_streams(client, messages, args)
+
+
+@contextlib.contextmanager
+def serve_running(flags: list[str], workdir: Path, root: Path = ROOT, **env: str) -> Iterator[int]:
+    """serve.py of the checkout `root` on a free loopback port with `flags` (and `env` added to
+    the environment), its output in workdir: its port, and the server stopped afterwards."""
     out = workdir / "serve.out"
     with open(out, "w") as stdout, open(workdir / "serve.err", "w") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "serve.py"), *flags],
+            [sys.executable, str(root / "serve.py"), "--port", "0", *flags],
+            cwd=root,
+            env={**os.environ, **env},
             stdout=stdout,
             stderr=stderr,
             start_new_session=True,  # stopped by this process, in `finally` below
         )
     try:
-        port = wait_for_port(proc, out)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
-        messages = chat_prompts(tokenizer, args.prompts)
-        stream(client, messages[0], 2, args.model)  # warm-up, as for the engine
-        return measure_streams(client, messages, args)
+        yield wait_for_port(proc, out)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

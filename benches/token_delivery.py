@@ -49,7 +49,7 @@ from common import (
     summarize,
     write_json,
 )
-from serving_overhead import wait_for_port
+from serving_overhead import serve_running
 
 from tiny_llm_support.demo_prompts import DEMO_PROMPTS
 
@@ -90,32 +90,21 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run_server(root: Path, args: argparse.Namespace, tmp: Path) -> dict:
     """One run: serve.py of `root`; its streams at once, then one at a time."""
-    flags = ["--model", args.model, "--port", "0", "--batch-size", str(args.streams)]
-    env = dict(os.environ, TINY_LLM_STAMP_TOKENS="1", PYTHONPATH=str(root / "src"))
-    out = tmp / "serve.out"
-    with open(out, "w") as stdout, open(tmp / "serve.err", "w") as stderr:
-        proc = subprocess.Popen(
-            [sys.executable, str(root / "serve.py"), *flags, "--max-seq-len", "512"],
-            cwd=root,
-            env=env,
-            stdout=stdout,
-            stderr=stderr,
-            start_new_session=True,  # stopped by this process, in `finally` below
-        )
-    busy = []
-    try:
-        port = wait_for_port(proc, out)
+    flags = ["--model", args.model, "--batch-size", str(args.streams), "--max-seq-len", "512"]
+    stamped = {"TINY_LLM_STAMP_TOKENS": "1", "PYTHONPATH": str(root / "src")}
+    with serve_running(flags, tmp, root, **stamped) as port:
         stream(port, QUESTIONS[0], 4, args.model)  # warm-up
         busy = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.load)]
-        concurrent = at_once(port, args)
-        sequential = [
-            stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
-            for i in range(args.sequential)
-        ]
-    finally:
-        for p in [*busy, proc]:
-            p.terminate()
-            p.wait(timeout=30)
+        try:
+            concurrent = at_once(port, args)
+            sequential = [
+                stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
+                for i in range(args.sequential)
+            ]
+        finally:
+            for p in busy:
+                p.terminate()
+                p.wait(timeout=30)
     return {"concurrent": phase(concurrent), "sequential": phase(sequential)}
 
 
