@@ -1,7 +1,8 @@
 """Week 3 Day 4: stall-free batching.
 
 Task 1  forward_ragged(model, tokens [1, T], segments): the rows of several requests in one
-        forward pass; attention per segment against that request's own cache.
+        forward pass; attention per segment against that request's own cache (over a page pool
+        read in place, Week 3 Day 5's attend_in_place: its tests are that day's).
 Task 2  hybrid_step: every iteration is one pass holding a row for every decoding request
         and prompt chunks filling the rest of the token budget (batch_generate policy="hybrid").
 
@@ -56,10 +57,11 @@ def per_prompt(max_new_tokens, n):
 
 
 def make_caches(model, kind, n):
-    """n fresh per-layer caches, dense or paged (pages of 4), and the pools (or None)."""
+    """n fresh per-layer caches, dense or paged (pages of 4, gathered or read in place), and
+    the pools (or None)."""
     if kind == "dense":
         return [model.create_kv_cache() for _ in range(n)], None
-    pools = model.create_kv_pools(page_size=4)
+    pools = model.create_kv_pools(page_size=4, read_in_place=kind == "in place")
     return [model.create_paged_kv_cache(pools) for _ in range(n)], pools
 
 

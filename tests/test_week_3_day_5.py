@@ -9,6 +9,9 @@ Task 3  paged_attention(query, pool, page_tables, lengths) and TinyKvPagedCache.
         pool's pages read where they lie, a few pages per block, never gathered.
 Task 4  BatchingKvCache.attend: batched decode over a padded page table; with pools made with
         read_in_place=True the model (eager, compiled, ragged, batched) reads pages in place.
+Task 5  TinyKvPagedCache.reserve and attend_in_place: 3.4's ragged pass over a pool read in
+        place writes every segment's keys/values in one scatter per layer, then attends, every
+        decode row in one paged_attention call.
 
 Oracles: mx.fast.scaled_dot_product_attention, mx.softmax over all the scores at once, the
 dense cache's logits and texts. Spies record the shape of every array the code under test
@@ -591,3 +594,99 @@ def test_batch_generate_over_pages_in_place(
             "batched decode steps over paged caches must go through BatchingKvCache.attend"
         )
     assert all(pool.num_in_use == 0 for pool in pools), "every page returned"
+
+
+# --- Task 5: the ragged pass over pages in place -------------------------------------------
+
+
+def test_ragged_pass_in_place_equals_each_request_alone(impl, model, tokenizer):
+    """Two decode rows and a chunk of 5 on top of 4 cached tokens in one ragged pass over a pool
+    read in place: each segment's logits equal that request alone on a dense cache, and each
+    cache grows by its own rows."""
+    ids = tokenizer.encode(prompt_with_tokens(tokenizer, 30))
+    pools = model.create_kv_pools(page_size=4, read_in_place=True)
+    cached, new = [7, 12, 4], [1, 1, 5]
+    caches = [model.create_paged_kv_cache(pools) for _ in cached]
+    for cache, n in zip(caches, cached):
+        model(mx.array([ids[:n]]), 0, cache)
+    segments, tokens = [], []
+    for cache, n, k in zip(caches, cached, new):
+        segments.append(impl.Segment(cache, len(tokens), k))
+        tokens += ids[n : n + k]
+    logits = impl.forward_ragged(model, mx.array([tokens + [tokens[-1]] * 2]), segments)
+    for i, (n, k) in enumerate(zip(cached, new)):
+        want = model(mx.array([ids[: n + k]]), 0, model.create_kv_cache())[0, -1]
+        assert_close(logits[0, i], want, f"segment {i} ({k} rows at offset {n}), pages in place")
+        assert caches[i][0].offset == n + k, (
+            f"segment {i}: reserve must advance its cache by its own {k} rows, no more"
+        )
+    for cache in caches:
+        release_all(cache)
+    assert pools[0].num_in_use == 0, "every page reserved is given back on release"
+
+
+def decode_segments(impl, model, tokenizer, pools, cached):
+    """One decode row per entry of `cached` (that many tokens already in its cache), side by
+    side: (caches, segments, tokens [1, len(cached)])."""
+    ids = tokenizer.encode(prompt_with_tokens(tokenizer, max(cached) + 1))
+    caches = [model.create_paged_kv_cache(pools) for _ in cached]
+    for cache, n in zip(caches, cached):
+        model(mx.array([ids[:n]]), 0, cache)
+    segments = [impl.Segment(cache, j, 1) for j, cache in enumerate(caches)]
+    return caches, segments, mx.array([[ids[n] for n in cached]])
+
+
+def test_ragged_pass_writes_the_pool_in_place(impl, model, tokenizer):
+    """Four decode rows over a pool read in place with room for 4096 pages: the pass must not
+    copy a layer's pool. Writing a segment while an earlier segment's read of the pool is still
+    pending makes MLX copy the whole pool for that write; writing every segment first (one
+    scatter) and then attending lets the update reuse the pool's buffer."""
+    pools = model.create_kv_pools(page_size=4, read_in_place=True)
+    caches, segments, tokens = decode_segments(impl, model, tokenizer, pools, [6, 9, 13, 3])
+    for pool in pools:
+        pool._resize(4096)  # a large pool: a copy of it would dwarf everything else in the pass
+    mx.eval(*(a for pool in pools for a in pool.storage))
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    logits = impl.forward_ragged(model, tokens, segments)
+    mx.eval(logits, *(a for pool in pools for a in pool.storage))
+    grew = mx.get_peak_memory() - before
+    one_pool = pools[0].nbytes
+    assert grew < one_pool / 2, (
+        f"a ragged pass of 4 decode rows took {grew / 2**20:.1f} MiB at its peak, against "
+        f"{one_pool / 2**20:.1f} MiB for one layer's pool: the pool was copied. Write every "
+        "segment's keys/values first (one scatter per layer), then attend: a write while a "
+        "read of the pool is pending cannot happen in place"
+    )
+    for cache in caches:
+        release_all(cache)
+
+
+def test_ragged_pass_attends_decode_rows_in_one_call(impl, model, tokenizer, monkeypatch):
+    """Over a pool read in place, every decode row of a layer goes through one paged_attention
+    call (3.5's batched decode), and a prompt chunk through a call of its own: 2 calls a layer
+    for 3 decode rows and a chunk, not 4."""
+    module = importlib.import_module(f"{impl.__name__}.stall_free")
+    calls = []
+
+    def spy(query, *args, **kwargs):
+        calls.append(query.shape[0])
+        return real(query, *args, **kwargs)
+
+    real = module.paged_attention
+    monkeypatch.setattr(module, "paged_attention", spy)
+    pools = model.create_kv_pools(page_size=4, read_in_place=True)
+    caches, segments, tokens = decode_segments(impl, model, tokenizer, pools, [6, 9, 13])
+    chunk = model.create_paged_kv_cache(pools)
+    segments.append(impl.Segment(chunk, 3, 4))
+    tokens = mx.concatenate([tokens, mx.array([[5, 6, 7, 8]])], axis=1)
+    mx.eval(impl.forward_ragged(model, tokens, segments))
+    layers = len(model.layers)
+    assert sorted(calls) == [1] * layers + [3] * layers, (
+        f"paged_attention was called with batches of {sorted(calls)} rows over {layers} layers; "
+        "expected one call of 3 decode rows and one of the chunk per layer: group the "
+        "segments by length and attend each group in one call"
+    )
+    for cache in caches + [chunk]:
+        release_all(cache)

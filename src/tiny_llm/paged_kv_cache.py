@@ -142,6 +142,13 @@ class TinyKvPagedCache(TinyKvCache):
         (pages gathered into a dense copy): the pool's choice."""
         return self.pool.read_in_place
 
+    @property
+    def pages_in_place(self) -> bool:
+        """Whether a ragged pass (Week 3 Day 4) may write this cache's new keys/values with
+        every other segment's in one scatter (reserve) and attend over its pages in place:
+        float pages read in place, full attention (a windowed cache gives pages back)."""
+        return self.pool.read_in_place and self.window is None
+
     def _check(self, key: mx.array, value: mx.array) -> None:
         pool = self.pool
         expected = (1, pool.num_kv_heads, key.shape[2], pool.head_dim)
@@ -156,6 +163,14 @@ class TinyKvPagedCache(TinyKvCache):
     def append(self, key: mx.array, value: mx.array) -> None:
         """Write key/value [1, H_kv, L, D] into the request's pages, allocating what it needs."""
         raise NotImplementedError("Week 2 Day 2, Task 3: append through the page table")
+
+    def reserve(self, length: int) -> list[int]:
+        """Take the pages `length` more tokens need and count those tokens as cached; return
+        the slot of each in the pool, page * page_size + position in the page. The caller
+        writes their keys/values there (Week 3 Day 4 writes a whole pass in one scatter)."""
+        raise NotImplementedError(
+            "Week 3 Day 5, Task 5: reserve the slots of a segment's new tokens"
+        )
 
     def share(self, pages: list[int]) -> None:
         """Start the empty page table with full pages another table filled (Week 4 Day 4):

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .basics import linear
+from .flash_attention import paged_attention
 from .memory_planning import free_pages, make_room, pages_for
 from .qwen3 import attention_mask
 from .sampler import pick_tokens
@@ -38,9 +39,32 @@ def forward_ragged(
     logits [1, len(rows), V] of those rows (Week 4 Day 5 checks every row of a draft). Padding
     rows (after the last segment) take part in the token-parallel halves only: they attend to
     nothing, are written to no cache, and their logits are never computed.
+
+    Over a page pool read in place, each layer writes every segment's new keys/values in one
+    scatter and attends with one paged_attention call per segment length (all decode rows in
+    one); any other cache attends segment by segment.
     """
     raise NotImplementedError(
         "Week 3 Day 4, Task 1: one forward pass over the rows of several requests"
+    )
+
+
+def rows_of(seg: Segment) -> slice:
+    """The rows of the ragged batch that belong to the segment."""
+    return slice(seg.start, seg.start + seg.length)
+
+
+def attend_in_place(
+    q: mx.array, k: mx.array, v: mx.array, segments: list[Segment], caches: list
+) -> list[mx.array]:
+    """q [1, H, T, D], k/v [1, H_kv, T, D] of one layer; caches: each segment's cache of that
+    layer, all over one pool read in place. Writes every segment's new keys/values into the
+    pool in one scatter per storage array, then attends -> one [1, H, length, D] per segment.
+
+    All writes come before any read: a write while an earlier read of the pool is pending
+    cannot reuse the pool's buffer, so MLX would copy the whole pool for it."""
+    raise NotImplementedError(
+        "Week 3 Day 5, Task 5: write the whole pass, then attend over the pages"
     )
 
 

@@ -20,6 +20,7 @@ class TinyKvCache:
 
     reads_in_place = False
     window: int | None = None
+    pages_in_place = False  # Week 3 Day 4: see TinyKvPagedCache.pages_in_place
 
     @property
     def offset(self) -> int | list[int]:

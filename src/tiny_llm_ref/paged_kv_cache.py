@@ -169,6 +169,13 @@ class TinyKvPagedCache(TinyKvCache):
         (pages gathered into a dense copy): the pool's choice."""
         return self.pool.read_in_place
 
+    @property
+    def pages_in_place(self) -> bool:
+        """Whether a ragged pass (Week 3 Day 4) may write this cache's new keys/values with
+        every other segment's in one scatter (reserve) and attend over its pages in place:
+        float pages read in place, full attention (a windowed cache gives pages back)."""
+        return self.pool.read_in_place and self.window is None
+
     def _check(self, key: mx.array, value: mx.array) -> None:
         pool = self.pool
         expected = (1, pool.num_kv_heads, key.shape[2], pool.head_dim)
@@ -207,6 +214,27 @@ class TinyKvPagedCache(TinyKvCache):
             )
             written += n
         self._offset = new_offset
+        # END TASK
+
+    def reserve(self, length: int) -> list[int]:
+        """Take the pages `length` more tokens need and count those tokens as cached; return
+        the slot of each in the pool, page * page_size + position in the page. The caller
+        writes their keys/values there (Week 3 Day 4 writes a whole pass in one scatter)."""
+        # BEGIN TASK Week 3 Day 5, Task 5: reserve the slots of a segment's new tokens
+        size = self.pool.page_size
+        new_offset = self._offset + length
+        pages_needed = -(-new_offset // size) - len(self.page_table)
+        if not self.pool.can_allocate(pages_needed):
+            raise PagePoolExhausted(
+                f"reserving {length} tokens needs {pages_needed} more pages; "
+                f"the pool has {self.pool.max_pages} pages, {self.pool.num_in_use} in use"
+            )
+        self.page_table += [self.pool.allocate() for _ in range(pages_needed)]
+        slots = [
+            self.page_table[p // size] * size + p % size for p in range(self._offset, new_offset)
+        ]
+        self._offset = new_offset
+        return slots
         # END TASK
 
     def share(self, pages: list[int]) -> None:

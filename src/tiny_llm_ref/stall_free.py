@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .basics import linear
+from .flash_attention import paged_attention
 from .memory_planning import free_pages, make_room, pages_for
 from .qwen3 import attention_mask
 from .sampler import pick_tokens
@@ -38,6 +39,10 @@ def forward_ragged(
     logits [1, len(rows), V] of those rows (Week 4 Day 5 checks every row of a draft). Padding
     rows (after the last segment) take part in the token-parallel halves only: they attend to
     nothing, are written to no cache, and their logits are never computed.
+
+    Over a page pool read in place, each layer writes every segment's new keys/values in one
+    scatter and attends with one paged_attention call per segment length (all decode rows in
+    one); any other cache attends segment by segment.
     """
     # BEGIN TASK Week 3 Day 4, Task 1: one forward pass over the rows of several requests
     t = tokens.shape[1]
@@ -55,17 +60,58 @@ def forward_ragged(
     h = model.embed_tokens[tokens]  # [1, T, E]
     for i, layer in enumerate(model.layers):
         q, k, v = layer.before_attention(h, positions)  # [1, H(_kv), T, D]
-        outs = []
-        for seg, mask in zip(segments, masks):
-            own = slice(seg.start, seg.start + seg.length)  # the segment's rows
-            outs.append(
-                layer.self_attn.attend(q[:, :, own], k[:, :, own], v[:, :, own], seg.cache[i], mask)
-            )
+        caches = [seg.cache[i] for seg in segments]
+        if all(cache.pages_in_place for cache in caches):
+            outs = attend_in_place(q, k, v, segments, caches)
+        else:
+            outs = [
+                layer.self_attn.attend(q[:, :, rows_of(seg)], k[:, :, rows_of(seg)],
+                                       v[:, :, rows_of(seg)], cache, mask)
+                for seg, cache, mask in zip(segments, caches, masks)
+            ]  # fmt: skip
         outs.append(mx.zeros((1, q.shape[1], t - used, q.shape[3]), dtype=q.dtype))
         h = layer.after_attention(h, mx.concatenate(outs, axis=2))  # [1, T, E]
     if rows is None:
         rows = [seg.start + seg.length - 1 for seg in segments]  # each segment's last row
     return linear(model.norm(h[:, mx.array(rows), :]), model.lm_head)  # [1, len(rows), V]
+    # END TASK
+
+
+def rows_of(seg: Segment) -> slice:
+    """The rows of the ragged batch that belong to the segment."""
+    return slice(seg.start, seg.start + seg.length)
+
+
+def attend_in_place(
+    q: mx.array, k: mx.array, v: mx.array, segments: list[Segment], caches: list
+) -> list[mx.array]:
+    """q [1, H, T, D], k/v [1, H_kv, T, D] of one layer; caches: each segment's cache of that
+    layer, all over one pool read in place. Writes every segment's new keys/values into the
+    pool in one scatter per storage array, then attends -> one [1, H, length, D] per segment.
+
+    All writes come before any read: a write while an earlier read of the pool is pending
+    cannot reuse the pool's buffer, so MLX would copy the whole pool for it."""
+    # BEGIN TASK Week 3 Day 5, Task 5: write the whole pass, then attend over the pages
+    pool = caches[0].pool
+    if any(cache.pool is not pool for cache in caches):
+        raise ValueError("the segments of one layer must share that layer's pool")
+    slots = mx.array([s for seg, cache in zip(segments, caches) for s in cache.reserve(seg.length)])
+    rows = mx.concatenate([mx.arange(seg.start, seg.start + seg.length) for seg in segments])
+    pages, within = slots // pool.page_size, slots % pool.page_size  # [used] each
+    pool.key_pages[pages, :, within] = k[0].swapaxes(0, 1)[rows]  # [used, H_kv, D]
+    pool.value_pages[pages, :, within] = v[0].swapaxes(0, 1)[rows]
+    outs: list = [None] * len(segments)
+    by_length: dict[int, list[int]] = {}
+    for j, seg in enumerate(segments):
+        by_length.setdefault(seg.length, []).append(j)
+    for group in by_length.values():  # every decode row in one call
+        query = mx.concatenate([q[:, :, rows_of(segments[j])] for j in group])  # [G, H, L, D]
+        tables = [caches[j].page_table for j in group]
+        out = paged_attention(query, pool, tables, [caches[j].offset for j in group],
+                              block_size=pool.attention_block)  # fmt: skip
+        for n, j in enumerate(group):
+            outs[j] = out[n : n + 1]
+    return outs
     # END TASK
 
 
