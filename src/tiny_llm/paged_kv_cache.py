@@ -144,9 +144,9 @@ class TinyKvPagedCache(TinyKvCache):
 
     @property
     def pages_in_place(self) -> bool:
-        """Whether a ragged pass (Week 3 Day 4) may write this cache's new keys/values with
-        every other segment's in one scatter (reserve) and attend over its pages in place:
-        float pages read in place, full attention (a windowed cache gives pages back)."""
+        """Whether 3.4's ragged pass may write this cache's new keys/values with every other
+        segment's in one scatter (reserve) and attend over its pages in place (Week 3 Day 5,
+        Task 5): float pages read in place, full attention (a windowed cache gives pages back)."""
         return self.pool.read_in_place and self.window is None
 
     def _check(self, key: mx.array, value: mx.array) -> None:
@@ -167,7 +167,7 @@ class TinyKvPagedCache(TinyKvCache):
     def reserve(self, length: int) -> list[int]:
         """Take the pages `length` more tokens need and count those tokens as cached; return
         the slot of each in the pool, page * page_size + position in the page. The caller
-        writes their keys/values there (Week 3 Day 4 writes a whole pass in one scatter)."""
+        writes their keys/values there (Week 3 Day 5 writes a whole ragged pass in one scatter)."""
         raise NotImplementedError(
             "Week 3 Day 5, Task 5: reserve the slots of a segment's new tokens"
         )
