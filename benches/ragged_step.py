@@ -40,6 +40,7 @@ from common import (
     host_info,
     host_slug,
     log,
+    median,
     summarize,
     write_json,
 )
@@ -125,7 +126,7 @@ def summary(runs: list[dict], batches: list[int]) -> dict:
             mine = [
                 r["step_ms"]["median"] for r in runs if (r["mode"], r["batch"]) == (mode, batch)
             ]
-            medians[mode] = sorted(mine)[len(mine) // 2]
+            medians[mode] = median(mine)
         ratios = {m: medians[m] / medians["dense"] for m in MODES}
         out[str(batch)] = {"median_step_ms": medians, "over_dense": ratios}
     return out
