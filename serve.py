@@ -14,13 +14,18 @@ queue, forward passes and page pool, from the server-sent events of GET /events)
 The engine runs in a process of its own, which loads the model and steps the engine
 (tiny_llm_support.engine_process); this process serves HTTP and talks to it over a pipe
 (tiny_llm_support.server_engine), so no request can stop the server: a failure inside the engine
-fails the requests it touched, and an engine process that dies is started again. The endpoints and the wire format: tiny_llm_support.server and
-server_api. The scheduler flags are batch-main's (tiny_llm_support.batch_settings), except that
-the prefix cache (Week 4 Day 4) is on by default here whenever the pool is bounded (--max-pages);
---no-prefix-cache turns it off. Speculative decoding (Week 4 Day 5), as in batch-main:
---speculative ngram (prompt lookup) or --speculative MODEL (a draft model, named as for --model),
---num-draft-tokens K guesses (default 4); the hybrid policy unless --policy alternate. Ctrl-C or SIGTERM stop it:
-requests in flight get an error, then it exits (130 after Ctrl-C, else 0).
+fails the requests it touched, and an engine process that dies is started again. The endpoints
+and the wire format: tiny_llm_support.server and server_api.
+
+It serves with the course's fastest design by default, not batch-main's teaching defaults: the
+hybrid policy (Week 3 Day 4), a paged pool read in place (Week 3 Day 5) with the prefix cache
+(Week 4 Day 4), 8 slots, and the pool and context sized from memory (tiny_llm_support.kv_memory:
+--memory-fraction of what MLX may use, less the weights; the start-up line says what that came
+to). --policy alternate, --gather, --no-prefix-cache, --dense, --max-pages and --max-seq-len take
+each part back. Speculative decoding (Week 4 Day 5), as in batch-main: --speculative ngram
+(prompt lookup) or --speculative MODEL (a draft model, named as for --model), --num-draft-tokens
+K guesses (default 4). Ctrl-C or SIGTERM stop it: requests in flight get an error, then it exits
+(130 after Ctrl-C, else 0).
 """
 
 from __future__ import annotations
@@ -67,7 +72,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="refuse (429, Retry-After) a request that would make more than this many wait for "
         "a decode slot (default: no limit)",
     )
-    cli.add_engine_arguments(p)
+    cli.add_engine_arguments(p, serving=True)
     p.add_argument(
         "--cache-dir",
         default=os.environ.get("TINY_LLM_CACHE"),
@@ -117,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         raise
     served = ServerSettings(
         model_id=args.model,
-        max_seq_len=args.max_seq_len,
+        max_seq_len=info["max_seq_len"],
         vocab_size=info["vocab_size"],
         api_key=args.api_key,
     )

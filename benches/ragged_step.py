@@ -1,16 +1,24 @@
-"""3.4/4.3: the time of one decode step with B requests, by how the pass reads the KV cache.
+"""3.4/4.3: the time of one decode step with B requests, by how the pass reads the KV cache,
+and where that time goes.
 
-Three ways, each (mode, batch) in a fresh process, the modes alternating:
+Four ways, each (mode, batch) in a fresh process, the modes alternating:
 
 - dense:       the alternate policy's batched decode over dense caches (3.1's BatchingKvCache);
 - per-segment: the hybrid pass over a pool read in place, each segment writing its keys/values
                and attending on its own (the order of 3.4's first version, which makes MLX copy
                a layer's pool for every write after a read);
 - one-write:   the hybrid pass as it is: every segment's keys/values in one scatter per layer,
-               then one paged_attention call per segment length (all decode rows in one).
+               then one paged_attention call per segment length (all decode rows in one);
+- mlx-lm:      mlx-lm's Qwen3 on the same weights over its BatchKVCache, one batched forward and
+               an argmax per step (what its BatchGenerator runs), as the outside yardstick.
 
-Each process adds B requests of --context prompt tokens, steps the engine until all of them
-decode, then times --steps decode steps; it also reports the peak memory of the run.
+Each process prefills B requests of --context prompt tokens, then times --steps decode steps,
+split into three parts: the Python that builds the step's graph (the model's forward call, which
+only records operations), the wait for MLX to compute it (the sampler's read of the tokens), and
+the rest of the step on the host (scheduling, bookkeeping, detokenizing, stop strings). The
+linear layers of the step (every projection, the MLP and the LM head on B rows, timed alone on
+the same weights) are split off the computing part; what is left there is the KV write and
+attention, the part the modes differ in. It also reports the peak memory of the run.
 
     pdm run bench-ragged-step [--model qwen3-0.6b] [--num-layers 8] [--batches 1 4 8]
                               [--context 300] [--steps 12] [--repeats 1]
@@ -47,7 +55,8 @@ from common import (
 from serving import write_model
 
 ROOT = Path(__file__).resolve().parent.parent
-MODES = ("dense", "per-segment", "one-write")
+MODES = ("dense", "per-segment", "one-write", "mlx-lm")
+PARTS = ("graph", "compute", "host")  # a step's wall time, as split by Timers
 TARGET_RATIO = 1.15  # issue 41: one-write at batch 8 within 1.15x of dense
 
 
@@ -75,16 +84,69 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+class Timers:
+    """Wall time spent inside wrapped functions, by part, over the timed steps."""
+
+    def __init__(self) -> None:
+        self.seconds = {part: 0.0 for part in PARTS}
+        self.on = False
+
+    def wrap(self, part: str, function):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                if self.on:
+                    self.seconds[part] += time.perf_counter() - start
+
+        return timed
+
+
 def measure(directory: str, mode: str, batch: int, args: argparse.Namespace) -> dict:
-    """In this (fresh) process: the decode step times of one mode at one batch size."""
+    """In this (fresh) process: the decode step times of one mode at one batch size, and
+    their split into parts (each part's median share per step, in ms)."""
     import mlx.core as mx
 
-    import tiny_llm_ref as ref
     from tiny_llm_support import load_checkpoint
+
+    ckpt = load_checkpoint(directory, dtype="float32")
+    timers = Timers()
+    step = (mlx_lm_stepper if mode == "mlx-lm" else engine_stepper)(ckpt, mode, batch, args, timers)
+    step()  # one decode step before timing
+    times = []
+    timers.on = True
+    for _ in range(args.steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    timers.on = False
+    parts = {part: 1000 * s / args.steps for part, s in timers.seconds.items()}
+    parts["host"] = 1000 * sum(times) / args.steps - parts["graph"] - parts["compute"]
+    parts["linear"] = linear_ms(ckpt, batch)
+    parts["kv"] = parts["compute"] - parts["linear"]  # the KV write and attention, and the rest
+    return {"step_ms": summarize(times, 1000), "mean_parts_ms": parts,
+            "peak_bytes": mx.get_peak_memory()}  # fmt: skip
+
+
+def engine_prompt(i: int, length: int) -> list[int]:
+    """Ordinary ids of the tiny tokenizer (10..509), a prompt of its own per request."""
+    return [(7 * i + 13 * j) % 500 + 10 for j in range(length)]
+
+
+def engine_stepper(ckpt, mode: str, batch: int, args: argparse.Namespace, timers: Timers):
+    """The reference Engine with B requests prefilled: a function that runs one engine step.
+    The model's forward calls count as "graph", the samplers' reads of the tokens as
+    "compute"."""
+    import tiny_llm_ref as ref
+    from tiny_llm_ref import scheduler, stall_free
 
     if mode == "per-segment":  # every cache attends on its own: the first version's order
         ref.TinyKvPagedCache.pages_in_place = property(lambda self: False)
-    ckpt = load_checkpoint(directory, dtype="float32")
+    stall_free.forward_ragged = timers.wrap("graph", stall_free.forward_ragged)
+    ref.Qwen3Model.__call__ = timers.wrap("graph", ref.Qwen3Model.__call__)
+    for module in (stall_free, scheduler):
+        module.pick_tokens = timers.wrap("compute", module.pick_tokens)
     longest = args.context + args.steps + 16
     model = ref.Qwen3Model(ckpt, max_seq_len=longest)
     pools = None if mode == "dense" else model.create_kv_pools(16, read_in_place=True)
@@ -92,19 +154,52 @@ def measure(directory: str, mode: str, batch: int, args: argparse.Namespace) -> 
         model, ckpt.tokenizer, max_seq_len=longest, batch_size=batch, prefill_step=256,
         pools=pools, policy="alternate" if mode == "dense" else "hybrid",
     )  # fmt: skip
-    for i in range(batch):  # ordinary ids of the tiny tokenizer (10..509), a prompt per request
-        prompt = [(7 * i + 13 * j) % 500 + 10 for j in range(args.context)]
-        engine.add_request(prompt, ref.SamplingParams(max_tokens=args.steps + 8, ignore_eos=True))
+    for i in range(batch):
+        params = ref.SamplingParams(max_tokens=args.steps + 8, ignore_eos=True)
+        engine.add_request(engine_prompt(i, args.context), params)
     slots = engine.scheduler.slots
     while None in slots or not all(r.is_prefill_done for r in slots):
         engine.step()
-    engine.step()  # one decode step before timing
+    return engine.step
+
+
+def mlx_lm_stepper(ckpt, mode: str, batch: int, args: argparse.Namespace, timers: Timers):
+    """mlx-lm's Qwen3 over BatchKVCache with the same B prompts prefilled together: a function
+    that runs one greedy decode step (forward call: "graph"; reading the tokens: "compute")."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    from tiny_llm_support import mlx_lm_qwen3
+
+    model = mlx_lm_qwen3(ckpt)
+    cache = [BatchKVCache([0] * batch) for _ in model.layers]
+    prompts = mx.array([engine_prompt(i, args.context) for i in range(batch)])  # [B, C]
+    tokens = [mx.argmax(model(prompts, cache=cache)[:, -1, :], axis=-1).tolist()]
+    forward = timers.wrap("graph", lambda y: model(y, cache=cache))
+    read = timers.wrap("compute", lambda logits: mx.argmax(logits[:, -1, :], axis=-1).tolist())
+
+    def step() -> None:
+        tokens[0] = read(forward(mx.array(tokens[0])[:, None]))  # [B, 1] -> [B, 1, V] -> [B]
+
+    return step
+
+
+def linear_ms(ckpt, batch: int, repeats: int = 5) -> float:
+    """The median time of every linear layer of one decode step on `batch` rows: each layer's
+    projections and MLP, and the LM head, on random rows, evaluated together."""
+    import mlx.core as mx
+
+    names = [n for n, w in ckpt.weights.items() if n.endswith("proj.weight") and w.ndim == 2]
+    head = "lm_head.weight" if "lm_head.weight" in ckpt.weights else "model.embed_tokens.weight"
+    weights = [ckpt.weights[n] for n in [*names, head]]
+    rows = [mx.random.normal((batch, w.shape[1])) for w in weights]
+    mx.eval(rows)
     times = []
-    for _ in range(args.steps):
+    for _ in range(repeats):
         start = time.perf_counter()
-        engine.step()
+        mx.eval([x @ w.T for x, w in zip(rows, weights)])
         times.append(time.perf_counter() - start)
-    return {"step_ms": summarize(times, 1000), "peak_bytes": mx.get_peak_memory()}
+    return 1000 * median(times)
 
 
 def run_fresh(directory: Path, mode: str, batch: int, argv: list[str]) -> dict:
@@ -117,18 +212,18 @@ def run_fresh(directory: Path, mode: str, batch: int, argv: list[str]) -> dict:
 
 
 def summary(runs: list[dict], batches: list[int]) -> dict:
-    """Per batch: each mode's median step (over repeats: the median of their medians) and its
-    ratio over dense."""
+    """Per batch: each mode's median step (over repeats: the median of their medians), its
+    ratio over dense, and its parts (the median over repeats of each part's mean)."""
     out = {}
     for batch in batches:
-        medians = {}
+        medians, parts = {}, {}
         for mode in MODES:
-            mine = [
-                r["step_ms"]["median"] for r in runs if (r["mode"], r["batch"]) == (mode, batch)
-            ]
-            medians[mode] = median(mine)
+            mine = [r for r in runs if (r["mode"], r["batch"]) == (mode, batch)]
+            medians[mode] = median([r["step_ms"]["median"] for r in mine])
+            names = mine[0]["mean_parts_ms"]
+            parts[mode] = {n: median([r["mean_parts_ms"][n] for r in mine]) for n in names}
         ratios = {m: medians[m] / medians["dense"] for m in MODES}
-        out[str(batch)] = {"median_step_ms": medians, "over_dense": ratios}
+        out[str(batch)] = {"median_step_ms": medians, "over_dense": ratios, "parts_ms": parts}
     return out
 
 
@@ -165,10 +260,10 @@ def main(argv=None) -> int:
     }
     write_json(args.json_output, report)
     for batch, row in report["summary"].items():
-        cells = "  ".join(
-            f"{m} {row['median_step_ms'][m]:7.1f} ms ({row['over_dense'][m]:.2f}x)" for m in MODES
-        )
-        print(f"batch {batch:>2}: {cells}")
+        for mode in MODES:
+            parts = "  ".join(f"{n} {v:6.1f}" for n, v in row["parts_ms"][mode].items())
+            step = f"{row['median_step_ms'][mode]:7.1f} ms ({row['over_dense'][mode]:.2f}x)"
+            print(f"batch {batch:>2} {mode:<11} {step}   {parts}")
     print(f"wrote {args.json_output}")
     return 0
 

@@ -19,8 +19,9 @@ token each in the tiny tokenizer, so that a trace of N words is N tokens for the
 Servers, each a fresh process on a free port of 127.0.0.1, started and stopped by the bench, all
 loading one local checkpoint directory, in turn for each rate:
 
-- tiny-llm      serve.py: hybrid policy, budget --prefill-step 128, a paged pool of --max-pages
-                pages per layer, the prefix cache (on with --max-pages);
+- tiny-llm      serve.py with its defaults (hybrid policy, a paged pool read in place and sized
+                from memory, the prefix cache, the model's context) and --batch-size 8; the
+                engine flags below, where given, are passed on;
 - mlx-lm        mlx_lm.server with its defaults;
 - mlx-lm-batch  mlx_lm.server with --decode-concurrency and --prompt-concurrency set to our
                 --batch-size.
@@ -102,6 +103,7 @@ TRACES = {
 }
 SERVERS = ("tiny-llm", "mlx-lm", "mlx-lm-batch")
 DEFAULT_LAYERS = 8  # a shortcut with an embedded config: "the 8-layer Qwen3-0.6B shape"
+ENGINE_FLAGS = ("--prefill-step", "--max-seq-len", "--page-size", "--max-pages")
 DEFAULT_RATES = (0.05, 0.2, 0.8)  # requests/s: light, near and past saturation (0.6B shape)
 READY_TIMEOUT_S = 300  # a server that does not answer GET /v1/models by then failed to start
 IDLE_TIMEOUT_S = 60  # after a soak: how long the server may take to abort what was hung up
@@ -406,13 +408,14 @@ def rss_bytes(pid: int | None) -> int | None:
 def server_command(name: str, ckpt: Path, port: int, args) -> list[str]:
     """The command line of one server on `port`, loading the checkpoint directory `ckpt`."""
     if name == "tiny-llm":
-        return [
+        cmd = [
             sys.executable, str(ROOT / "serve.py"), "--model", str(ckpt), "--port", str(port),
-            "--dtype", "float32", "--policy", "hybrid", "--prefill-step", str(args.prefill_step),
-            "--batch-size", str(args.batch_size), "--max-seq-len", str(args.max_seq_len),
-            "--max-pages", str(args.max_pages), "--page-size", str(args.page_size),
-            "--prefix-cache", "--solution", args.solution,
+            "--dtype", "float32", "--batch-size", str(args.batch_size), "--solution", args.solution,
         ]  # fmt: skip
+        for flag in ENGINE_FLAGS:
+            value = getattr(args, flag[2:].replace("-", "_"))
+            cmd += [] if value is None else [flag, str(value)]
+        return cmd
     cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(ckpt), "--port", str(port)]
     cmd += ["--host", "127.0.0.1", "--log-level", "WARNING"]
     if name == "mlx-lm-batch":  # its batch size set to ours
@@ -776,7 +779,7 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     m = report["model"]
     title = (
         f"serving under load: {m['name']} ({m.get('num_layers', '?')} layers), float32, "
-        f"tiny-llm (hybrid, budget {report['settings']['prefill_step']}, batch "
+        f"tiny-llm (serve's defaults, batch "
         f"{report['settings']['batch_size']}) against mlx_lm.server; "
         f"{report['arguments']['requests'] or 'all'} requests per trace; "
         f"{report['host']['machine']}, {report['host']['cpu_count']} CPUs"
@@ -867,12 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests of the soak at the highest rate (0: none)")  # fmt: skip
     e = p.add_argument_group("tiny-llm's server")
     e.add_argument("--batch-size", type=int_at_least(1), default=8, help="decode slots")
-    e.add_argument("--prefill-step", type=int_at_least(1), default=128,
-                   help="the hybrid policy's token budget per pass")  # fmt: skip
-    e.add_argument("--max-seq-len", type=int_at_least(1), default=2048)
-    e.add_argument("--page-size", type=int_at_least(1), default=16)
-    e.add_argument("--max-pages", type=int_at_least(1), default=None,
-                   help="pages per layer (default: batch-size full-length requests)")  # fmt: skip
+    for flag in ENGINE_FLAGS:  # serve's own defaults unless given
+        e.add_argument(flag, type=int_at_least(1), default=None, help="default: serve's")
     o = p.add_argument_group("output")
     add_output_arguments(o, "serving-<model>-<os>-<arch>-<N>cpu.json", plot=True)
     o.add_argument("--note", default=None, help="a note recorded in the JSON")
@@ -905,7 +904,6 @@ def main(argv=None) -> int:
         p.error("--rates must be positive")
     if args.url and not args.model_id:
         p.error("--url needs --model-id, the model name that server expects")
-    args.max_pages = args.max_pages or args.batch_size * -(-args.max_seq_len // args.page_size)
     set_output_paths(p, args, default_json_path(args))
     if not args.url and not (
         args.model.lower() in EMBEDDED_CONFIGS and not Path(args.model).exists()
@@ -950,7 +948,7 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
         "versions": {p: package_version(p) for p in ("mlx", "mlx-lm", "openai", "fastapi")},
         "model": model,
         "settings": {
-            "tiny-llm": "serve.py --policy hybrid --prefix-cache, float32",
+            "tiny-llm": "serve.py with its defaults, float32",
             "batch_size": args.batch_size,
             "prefill_step": args.prefill_step,
             "max_seq_len": args.max_seq_len,

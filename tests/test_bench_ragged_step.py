@@ -1,5 +1,6 @@
 """A smoke run of benches/ragged_step.py (not a course day): the shipped tiny model, batches of 1
-and 2, each mode in a fresh process; every mode must report its steps and a ratio over dense."""
+and 2, each mode in a fresh process; every mode must report its steps, their parts and a ratio
+over dense."""
 
 import json
 
@@ -19,6 +20,11 @@ def test_bench_ragged_step_smoke(tmp_path):
     for run in report["runs"]:
         assert run["step_ms"]["count"] == 2 and run["step_ms"]["median"] > 0
         assert run["peak_bytes"] > 0
+        parts = run["mean_parts_ms"]
+        assert set(parts) == {"graph", "compute", "host", "linear", "kv"}, parts
+        assert parts["graph"] > 0 and parts["compute"] > 0 and parts["linear"] > 0, (
+            f"{run['mode']}: the forward call or the token read was never timed: {parts}"
+        )
     row = report["summary"]["2"]
     assert row["over_dense"]["dense"] == 1.0
     assert set(row["median_step_ms"]) == set(ragged_step.MODES)

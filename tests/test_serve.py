@@ -126,8 +126,9 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def strict_server(tmp_path_factory):
-    """One decode slot, nobody may wait (--max-waiting 0), and an API key."""
-    flags = ["--batch-size", "1", "--max-waiting", "0", "--api-key", API_KEY]
+    """One decode slot, nobody may wait (--max-waiting 0), an API key, and dense caches (serve's
+    other KV storage)."""
+    flags = ["--batch-size", "1", "--max-waiting", "0", "--api-key", API_KEY, "--dense"]
     s = Server(tmp_path_factory.mktemp("serve-strict"), "--max-seq-len", str(MAX_SEQ_LEN), *flags)
     yield s
     s.stop()
@@ -711,40 +712,71 @@ def serve_module():
 @pytest.mark.parametrize(
     "flags, on",
     [
-        ([], False),  # dense caches: nothing to share
-        (["--max-pages", "64"], True),  # a bounded pool: on by default
+        ([], True),  # serve's default: a pool sized from memory, so always bounded
+        (["--max-pages", "64"], True),
         (["--max-pages", "64", "--no-prefix-cache"], False),
-        (["--page-size", "16"], False),  # unbounded: nothing would ever leave the cache
+        (["--page-size", "16"], True),
         (["--no-prefix-cache"], False),
+        (["--dense"], False),  # dense caches: nothing to share
     ],
 )
 def test_prefix_cache_default(serve_module, flags, on):
     assert serve_module.parse_args(flags).prefix_cache is on
 
 
+def test_serve_defaults_are_the_fast_design(serve_module):
+    """serve's defaults are the course's fastest design, not batch-main's teaching ones."""
+    args = serve_module.parse_args([])
+    got = (args.policy, args.page_size, args.read_in_place, args.prefix_cache, args.batch_size)
+    assert got == ("hybrid", 16, True, True, 8), (
+        "serve should default to the hybrid policy over 16-token pages read in place, with the "
+        f"prefix cache and 8 slots; got (policy, page size, in place, prefix cache, slots) {got}"
+    )
+    assert args.max_pages is None and args.max_seq_len is None, "sized from memory at start-up"
+
+
 @pytest.mark.parametrize(
     "flags, words",
     [
-        (["--page-size", "16", "--prefix-cache"], "a pool without --max-pages is never full"),
-        (["--prefix-cache", "--no-prefix-cache", "--page-size", "16"], None),  # the last wins
+        (["--dense", "--max-pages", "64"], "--max-pages is about KV pages, and --dense asks"),
+        (["--dense", "--gather"], "--gather is about KV pages, and --dense asks"),
+        (["--dense", "--prefix-cache"], "--prefix-cache is about KV pages, and --dense asks"),
+        (["--memory-fraction", "0"], "--memory-fraction: expected a number above 0 and at most"),
+        (["--memory-fraction", "1.5"], "--memory-fraction: expected a number above 0 and at most"),
+        (["--memory-fraction", "half"], "--memory-fraction: expected a number, got 'half'"),
     ],
 )
-def test_prefix_cache_in_an_unbounded_pool(serve_module, capsys, flags, words):
-    if words is None:
-        assert serve_module.parse_args(flags).prefix_cache is False
-        return
+def test_dense_and_memory_usage_errors(serve_module, capsys, flags, words):
     with pytest.raises(SystemExit) as exit_:
         serve_module.parse_args(flags)
     assert exit_.value.code == 2 and words in capsys.readouterr().err
 
 
-def test_prefix_cache_without_pages_is_refused(tmp_path):
-    result = serve_until_it_stops(offline_env(tmp_path), "--port", "0", "--prefix-cache")
+def test_the_pool_and_context_are_sized_from_memory(tmp_path):
+    """Without --max-pages or --max-seq-len, the start-up line says how many pages the share of
+    memory gives and that the context is the model's positions (the tiny model's 2048)."""
+    s = Server(tmp_path, "--batch-size", "2")
+    try:
+        out = s.out.read_text()
+        assert re.search(
+            r"KV memory: --memory-fraction 0\.5 of the .* GiB MLX may use, less .* "
+            r"GiB of weights: at most [\d,]+ pages per layer",
+            out,
+        ), out
+        assert "context 2048 tokens (the model's positions)" in out, out
+        assert "hybrid policy" in out and "read in place, prefix cache" in out, out
+    finally:
+        s.stop()
+
+
+def test_a_share_too_small_for_the_slots_is_refused(tmp_path):
+    result = serve_until_it_stops(
+        offline_env(tmp_path), "--port", "0", "--memory-fraction", "0.000001"
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert "--prefix-cache shares KV pages between prompts, and dense caches have none" in last
-    assert "--max-pages N" in last and "Traceback" not in result.stderr
-    assert "serving" not in result.stdout
+    assert "--memory-fraction 1e-06 of the" in last and "fewer than --batch-size 8" in last, last
+    assert "Traceback" not in result.stderr and "serving" not in result.stdout
 
 
 def test_a_solution_without_the_prefix_cache_stops_at_start_up(tmp_path):
@@ -894,8 +926,8 @@ def test_no_speculation_counts_nothing(server):
 @pytest.mark.parametrize(
     "flags, policy, k",
     [
-        ([], "alternate", None),
-        (["--policy", "hybrid"], "hybrid", None),
+        ([], "hybrid", None),  # serve's default (batch-main's is alternate)
+        (["--policy", "alternate"], "alternate", None),
         (["--speculative", "ngram"], "hybrid", 4),  # the hybrid policy without asking
         (["--speculative", "tiny", "--policy", "hybrid", "--num-draft-tokens", "2"], "hybrid", 2),
         (["--speculative", "ngram", "--policy", "alternate"], "alternate", 4),

@@ -10,15 +10,17 @@ and the lines that describe them.
     --speculative ngram|PATH, --num-draft-tokens K
                           guesses checked in the decode pass (4.5)
 
-The prefix cache is off unless asked for in batch-main. serve turns it on by default for a
-bounded pool (--max-pages) and refuses it for an unbounded one: a cached page leaves the cache
-only when an allocation finds no free page, which never happens in a pool without a limit, so
-a server that runs for days would keep every page it ever filled.
+batch-main keeps the teaching defaults its chapters run: the alternate policy, dense caches,
+no prefix cache, each turned on by its flag. serve starts from the course's fastest design
+instead: the hybrid policy, a paged pool read in place with the prefix cache, the pool sized
+from memory (kv_memory); --dense, --gather, --no-prefix-cache and --policy alternate take each
+part back. Its pool is always bounded, which the prefix cache needs: a cached page leaves the
+cache only when an allocation finds no free page.
 
 Speculative decoding's guesses are extra rows of a ragged pass, where the hybrid policy puts
-prompt chunks beside them, so --speculative brings --policy hybrid with it (the default policy
-is alternate without it); an explicit --policy alternate checks the guesses in passes of their
-own. `ngram` is prompt lookup; anything else names a draft model the way --model does, checked
+prompt chunks beside them, so --speculative brings --policy hybrid with it (in batch-main, whose
+policy is alternate without it); an explicit --policy alternate checks the guesses in passes of
+their own. `ngram` is prompt lookup; anything else names a draft model the way --model does, checked
 at start-up to share the model's vocabulary.
 
 Every check here runs before any model call; a setting a solution has not written yet stops
@@ -33,7 +35,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from .cli import DTYPES, UsageError, int_at_least, model_path
+from . import kv_memory
+from .cli import UsageError, int_at_least, model_path
 from .models import resolve_model
 
 POLICIES = ("alternate", "hybrid")
@@ -45,9 +48,11 @@ LOOKUP_NGRAM = 3  # the longest run of last tokens prompt lookup looks for
 
 def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
     """--compile, --policy, --max-pages, --page-size, --read-in-place / --gather,
-    --prefix-cache / --no-prefix-cache, --speculative and --num-draft-tokens. `serving`:
-    serve's help text (the prefix cache's default differs, see check_arguments)."""
+    --prefix-cache / --no-prefix-cache, --speculative and --num-draft-tokens; `serving`: serve's
+    defaults (see check_arguments) and its --dense and --memory-fraction."""
     g = p.add_argument_group("scheduler (Week 3 Days 3-6, Week 4 Day 4)")
+    policy = "hybrid" if serving else "alternate, hybrid with --speculative"
+    pages = "from --memory-fraction" if serving else "none: dense caches"
     g.add_argument(
         "--compile",
         action="store_true",
@@ -58,21 +63,21 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
         choices=POLICIES,
         default=None,  # until check_arguments knows whether --speculative asks for hybrid
         help="alternate: a prefill chunk, then a decode pass; hybrid: one pass holding every "
-        "decode row and prompt chunks, --prefill-step rows in all (3.4); default: alternate, "
-        "hybrid with --speculative",
+        f"decode row and prompt chunks, --prefill-step rows in all (3.4); default: {policy}",
     )
     g.add_argument(
         "--max-pages",
         type=int_at_least(1),
         default=None,
         help="serve from a paged KV pool of this many pages per layer: too few for every "
-        "request at once means waits and preemptions (3.6)",
+        f"request at once means waits and preemptions (3.6; default: {pages})",
     )
     g.add_argument(
         "--page-size",
         type=int_at_least(1),
         default=None,
-        help=f"tokens per page (default {DEFAULT_PAGE_SIZE}); alone: an unbounded paged pool",
+        help=f"tokens per page (default {DEFAULT_PAGE_SIZE})"
+        + ("" if serving else "; alone: an unbounded paged pool"),
     )
     read = g.add_mutually_exclusive_group()
     read.add_argument(
@@ -88,10 +93,7 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
         action="store_false",
         help="attention reads a dense copy gathered from the pages (2.2)",
     )
-    if serving:
-        default = "default: on with --max-pages, off without it"
-    else:
-        default = "default: off"
+    default = "default: on unless --dense" if serving else "default: off"
     g.add_argument(
         "--prefix-cache",
         action=argparse.BooleanOptionalAction,
@@ -99,6 +101,8 @@ def add_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
         help="share the KV pages of full prompt blocks by content, so a prompt that starts like "
         f"an earlier one skips that part of its prefill (4.4; needs pages; {default})",
     )
+    if serving:
+        kv_memory.add_arguments(g)
     add_speculative_arguments(p)
 
 
@@ -134,10 +138,14 @@ def speculative_source(value: str) -> str:
 
 
 def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | None:
-    """What is wrong with the settings on their own, or None; fills in the defaults.
-    `serving` (serve): the prefix cache is on by default for a bounded pool, and refused for
-    an unbounded one."""
-    paged = args.max_pages is not None or args.page_size is not None
+    """What is wrong with the settings on their own, or None; fills in the defaults. `serving`
+    (serve): pages, the prefix cache and the hybrid policy unless --dense or --policy say
+    otherwise; the sizes that depend on the model come later (check_model)."""
+    if serving and args.dense:
+        given = [flag for flag, on in page_flags(args) if on]
+        if given:
+            return f"{given[0]} is about KV pages, and --dense asks for dense caches: drop one"
+    paged = args.max_pages is not None or args.page_size is not None or serving and not args.dense
     if args.read_in_place is not None and not paged:
         flag = "--read-in-place" if args.read_in_place else "--gather"
         return f"{flag} is about reading KV pages: add --max-pages N (or --page-size N)"
@@ -146,25 +154,34 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
             "--prefix-cache shares KV pages between prompts, and dense caches have none: add "
             "--max-pages N (or --page-size N)"
         )
-    if serving and args.prefix_cache and args.max_pages is None:
-        return (
-            "--prefix-cache keeps pages until a full pool needs them back, and a pool without "
-            "--max-pages is never full: the server would keep every page it filled; add "
-            "--max-pages N (or --no-prefix-cache)"
-        )
-    problem = check_speculative_arguments(args)
+    problem = check_speculative_arguments(args, "hybrid" if serving else "alternate")
     if problem:
         return problem
     if args.prefix_cache is None:
-        args.prefix_cache = serving and args.max_pages is not None
+        args.prefix_cache = serving and paged
+    if paged:
+        args.page_size = args.page_size or DEFAULT_PAGE_SIZE
+        args.read_in_place = args.read_in_place is not False
+    return check_sizes(args) if args.max_seq_len is not None else None
+
+
+def page_flags(args: argparse.Namespace) -> list[tuple[str, bool]]:
+    """The flags that ask for pages, and whether each was given."""
+    return [
+        ("--max-pages", args.max_pages is not None),
+        ("--page-size", args.page_size is not None),
+        ("--read-in-place" if args.read_in_place else "--gather", args.read_in_place is not None),
+        ("--prefix-cache", bool(args.prefix_cache)),
+    ]
+
+
+def check_sizes(args: argparse.Namespace) -> str | None:
+    """--page-size and --max-pages against --max-seq-len."""
     if args.page_size is not None and args.page_size > args.max_seq_len:
         return (
             f"--page-size {args.page_size} is more than --max-seq-len {args.max_seq_len}: a page "
             "would hold more tokens than a request can have"
         )
-    if paged:
-        args.page_size = args.page_size or DEFAULT_PAGE_SIZE
-        args.read_in_place = args.read_in_place is not False
     if args.max_pages is not None:
         pages = -(-args.max_seq_len // args.page_size)
         if args.max_pages < pages:
@@ -177,16 +194,16 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
     return None
 
 
-def check_speculative_arguments(args: argparse.Namespace) -> str | None:
+def check_speculative_arguments(args: argparse.Namespace, policy: str) -> str | None:
     """--speculative and --num-draft-tokens; fills in the policy when none was given (hybrid
-    with speculation, else alternate) and the number of guesses."""
+    with speculation, else `policy`) and the number of guesses."""
     if args.speculative is None:
         if args.num_draft_tokens is not None:
             return (
                 "--num-draft-tokens is how many tokens --speculative guesses: add --speculative "
                 f"{NGRAM} (or a draft model)"
             )
-        args.policy = args.policy or "alternate"
+        args.policy = args.policy or policy
         return None
     args.policy = args.policy or "hybrid"
     args.num_draft_tokens = args.num_draft_tokens or DEFAULT_DRAFT_TOKENS
@@ -238,44 +255,25 @@ def check_draft(args: argparse.Namespace, config: Any, draft_config: Any) -> str
     return None
 
 
-def check_model(args: argparse.Namespace, config: Any, dtype: str) -> str | None:
-    """What is wrong with the settings for this model in `dtype`, or None."""
+def check_model(
+    args: argparse.Namespace, config: Any, dtype: str, weight_bytes: int = 0
+) -> str | None:
+    """What is wrong with the settings for this model in `dtype`, or None. serve's sizes left
+    open are filled in first, from the memory its weights (`weight_bytes`) leave
+    (kv_memory.plan)."""
+    import mlx.core as mx
+
+    if getattr(args, "memory_fraction", None) is not None:
+        problem = kv_memory.plan(args, config, dtype, weight_bytes) or check_sizes(args)
+        if problem:
+            return problem
     limit = config.max_position_embeddings
     if args.max_seq_len > limit:
         return (
             f"--max-seq-len {args.max_seq_len} is more than the model's {limit} positions "
             "(max_position_embeddings in its config.json)"
         )
-    return check_memory(args, config, dtype)
-
-
-def check_memory(args: argparse.Namespace, config: Any, dtype: str) -> str | None:
-    """Settings whose KV caches alone could not fit in the memory MLX may use, or None. Dense
-    caches keep a row for every slot, as long as the longest request: --batch-size rows of up
-    to --max-seq-len tokens. A page pool with --max-pages holds that many pages, and as every
-    running request writes to a page of its own, no more requests than pages run at once."""
-    import mlx.core as mx
-
-    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
-    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].size
-    if args.max_pages is None:
-        tokens = args.batch_size * args.max_seq_len
-        held = f"--batch-size {args.batch_size} rows of --max-seq-len {args.max_seq_len} tokens"
-    elif args.batch_size > args.max_pages:
-        return (
-            f"--batch-size {args.batch_size} is more than --max-pages {args.max_pages}: every "
-            "running request writes to a page of its own, so the other slots would stay empty"
-        )
-    else:
-        tokens = args.max_pages * args.page_size
-        held = f"--max-pages {args.max_pages} of {args.page_size} tokens"
-    need, limit = tokens * per_token, mx.get_memory_limit()
-    if need > limit:
-        return (
-            f"{held} need {need / 2**30:.1f} GiB of KV cache ({per_token} bytes a token in "
-            f"{dtype}), more than the {limit / 2**30:.1f} GiB MLX may use on this machine"
-        )
-    return None
+    return kv_memory.check(args, config, dtype, mx.get_memory_limit())
 
 
 def build_model(package: Any, ckpt: Any, args: argparse.Namespace) -> Any:

@@ -84,12 +84,19 @@ def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """The engine's sizes and number type (batch-main, serve)."""
+def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
+    """The engine's sizes and number type: batch-main's teaching sizes (5 slots, 512 tokens),
+    or with `serving` serve's (8 slots; the context left open, for kv_memory.plan to fill in
+    from the model and the memory)."""
     positive = int_at_least(1)
-    p.add_argument("--batch-size", type=positive, default=5, help="decode slots")
+    p.add_argument("--batch-size", type=positive, default=8 if serving else 5, help="decode slots")
     p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
-    p.add_argument("--max-seq-len", type=positive, default=512, help="prompt + answer tokens")
+    if serving:
+        context = {"default": None, "help": "prompt + answer tokens (default: the model's "
+                   "positions, as far as the KV memory holds them)"}  # fmt: skip
+    else:
+        context = {"default": 512, "help": "prompt + answer tokens"}
+    p.add_argument("--max-seq-len", type=positive, **context)
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),

@@ -65,7 +65,8 @@ def build_engine(
     if ckpt.tokenizer is None:
         raise ValueError(f"{path} has no tokenizer.json")
     check_chat_template(ckpt.tokenizer)  # a ChatTemplateError naming the file, before serving
-    problem = settings.check_model(args, ckpt.config, dtype)
+    weight_bytes = sum(w.nbytes for w in ckpt.weights.values())
+    problem = settings.check_model(args, ckpt.config, dtype, weight_bytes)
     draft_ckpt = None
     if draft_path is not None and not problem:
         draft_ckpt = load_checkpoint(draft_path, dtype=dtype)
@@ -93,6 +94,8 @@ def build_engine(
     if group is not None:
         print(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
     print(settings.describe(args))
+    if args.memory_line:
+        print(args.memory_line)
     for hint in cli.cpu_hints(device, dtype):
         print(hint)
     return engine, ckpt.config
@@ -138,7 +141,7 @@ class EngineLoop:
             return self.send("failed", "usage", str(e))
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             return self.send("failed", "error", str(e))
-        self.send("ready", {"vocab_size": config.vocab_size})
+        self.send("ready", {"vocab_size": config.vocab_size, "max_seq_len": args.max_seq_len})
         return True
 
     def join_ranks(self, args: argparse.Namespace) -> Any:
