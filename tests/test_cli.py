@@ -340,7 +340,7 @@ NUMBERS_MLX_CANNOT_TAKE = [
     (["serve"], ["--dense", "--batch-size", "1000000000"], 2,
      ["--batch-size 1000000000 rows of --max-seq-len 96 tokens need", "GiB of KV cache"]),
     (["serve"], ["--batch-size", "1000000000"], 2,
-     ["--memory-fraction 0.5 of the", "fewer than --batch-size 1000000000"]),
+     ["--memory-fraction 0.5 of the", "too few for --batch-size 1000000000"]),
     (["serve"], ["--max-pages", "64", "--batch-size", "100"], 2,
      ["--batch-size 100 is more than --max-pages 64"]),
     (ALL, ["--model", "@layers-1e9"], 1,

@@ -753,17 +753,16 @@ def test_dense_and_memory_usage_errors(serve_module, capsys, flags, words):
 
 
 def test_the_pool_and_context_are_sized_from_memory(tmp_path):
-    """Without --max-pages or --max-seq-len, the start-up line says how many pages the share of
-    memory gives and that the context is the model's positions (the tiny model's 2048)."""
+    """Without --max-pages or --max-seq-len, the context is the model's positions (the tiny
+    model's 2048) and the pool twice what the slots hold at that context, which the start-up
+    line says."""
     s = Server(tmp_path, "--batch-size", "2")
     try:
         out = s.out.read_text()
-        assert re.search(
-            r"KV memory: --memory-fraction 0\.5 of the .* GiB MLX may use, less .* "
-            r"GiB of weights: at most [\d,]+ pages per layer",
-            out,
-        ), out
-        assert "context 2048 tokens (the model's positions)" in out, out
+        assert re.search(r"KV memory: --memory-fraction 0\.5 of the .* GiB MLX may use", out), out
+        # room for both slots at 2048 tokens (128 pages of 16), and as much again for the cache
+        assert "at most 512 pages per layer (8,192 tokens" in out, out
+        assert "context 2,048 tokens (the model's positions)" in out, out
         assert "hybrid policy" in out and "read in place, prefix cache" in out, out
     finally:
         s.stop()
@@ -775,7 +774,7 @@ def test_a_share_too_small_for_the_slots_is_refused(tmp_path):
     )
     assert result.returncode == 2, result.stdout + result.stderr
     last = result.stderr.strip().splitlines()[-1]
-    assert "--memory-fraction 1e-06 of the" in last and "fewer than --batch-size 8" in last, last
+    assert "--memory-fraction 1e-06 of the" in last and "too few for --batch-size 8" in last, last
     assert "Traceback" not in result.stderr and "serving" not in result.stdout
 
 

@@ -3,10 +3,12 @@ planning, done once at start-up, the way vLLM sizes its KV cache from a share of
 
 A token's keys and values take 2 x layers x KV heads x head_dim numbers, the same in dense
 caches and in a page pool. serve gives the weights and the KV storage together a share of the
-memory MLX may use (--memory-fraction, default 0.5): what the weights leave is the pool, in
-whole pages per layer, and the context defaults to the model's positions as far as that pool
-holds them. The pool grows as pages are handed out (Week 2 Day 2), so the share is a ceiling,
-reached only when the prefix cache (Week 4 Day 4) has kept that many pages. With --dense,
+memory MLX may use (--memory-fraction, default 0.5). The context defaults to the model's
+positions as far as what the weights leave holds them; the pool gets room for every slot at
+full context and as much again for the prefix cache (Week 4 Day 4) to keep, in whole pages
+per layer, never more than the share holds. The pool grows as pages are handed out (Week 2
+Day 2), so its size is a ceiling, reached only when the prefix cache has kept that many pages;
+a small model does not take half the machine for a cache it could never fill. With --dense,
 every slot keeps a row as long as the context, so the share bounds --batch-size x context.
 
 batch-main keeps its teaching sizes (dense caches, 512 tokens, 5 slots): there the only check
@@ -59,11 +61,18 @@ def bytes_per_token(config: Any, dtype: str) -> int:
 
 
 def plan(args: argparse.Namespace, config: Any, dtype: str, weight_bytes: int) -> str | None:
-    """serve's sizes from memory: fills in --max-pages (paged, unless given) and --max-seq-len
-    (unless given), or says why the share cannot hold them. args.memory_line: the start-up
+    """serve's sizes from memory: fills in --max-seq-len and, over pages, --max-pages (each
+    unless given), or says why the share cannot hold them. args.memory_line: the start-up
     line that says what they came to (None when nothing was left open)."""
     import mlx.core as mx
 
+    args.memory_line = None
+    if args.max_seq_len is not None and (args.dense or args.max_pages is not None):
+        return None  # sized by hand: kv_memory.check alone looks at them
+    if not args.dense and args.max_pages is not None:  # the pool by hand, the context open
+        args.max_seq_len = min(config.max_position_embeddings, args.max_pages * args.page_size)
+        args.memory_line = f"KV memory: context {args.max_seq_len:,} tokens (--max-pages)"
+        return None
     limit = mx.get_memory_limit()
     budget = int(args.memory_fraction * limit) - weight_bytes
     share = (
@@ -71,35 +80,36 @@ def plan(args: argparse.Namespace, config: Any, dtype: str, weight_bytes: int) -
         f"less {weight_bytes / GIB:.2f} GiB of weights"
     )
     per_token = bytes_per_token(config, dtype)
-    said = []
+    page = args.page_size or 1  # dense rows: a "page" of one token
+    room = budget // (per_token * page) * page  # tokens the share holds, in whole pages
     if args.dense:
-        room = budget // (args.batch_size * per_token)  # tokens in each slot's row
-        if args.max_seq_len is None:
-            if room < 1:
-                return f"{share}, leaves no room for --batch-size {args.batch_size} dense rows"
-            said.append(f"{share}: {room} tokens for each of {args.batch_size} dense rows")
-    else:
-        if args.max_pages is None:
-            args.max_pages = max(0, budget // (per_token * args.page_size))
-            if args.max_pages < args.batch_size:
-                return (
-                    f"{share}, leaves {args.max_pages} pages of {args.page_size} tokens, fewer "
-                    f"than --batch-size {args.batch_size} (each running request writes to a page "
-                    "of its own): give a larger --memory-fraction, or --max-pages N"
-                )
-            tokens = args.max_pages * args.page_size
-            said.append(
-                f"{share}: at most {args.max_pages:,} pages per layer ({tokens:,} tokens, "
-                f"{tokens * per_token / GIB:.2f} GiB when full)"
-            )
-        room = args.max_pages * args.page_size
+        room //= args.batch_size  # each slot keeps a row of its own
+    if room < (1 if args.dense else args.batch_size * page):
+        return (
+            f"{share}, leaves room for {max(0, room)} tokens, too few for --batch-size "
+            f"{args.batch_size} (each running request needs a page or a row of its own): give "
+            "a larger --memory-fraction" + ("" if args.dense else ", or --max-pages N")
+        )
+    said = []
     if args.max_seq_len is None:
         positions = config.max_position_embeddings
         args.max_seq_len = min(positions, room)
-        held = "dense rows" if args.dense else "pool"
-        why = "the model's positions" if positions <= room else f"what the {held} holds"
-        said.append(f"context {args.max_seq_len} tokens ({why})")
-    args.memory_line = f"KV memory: {'; '.join(said)}" if said else None
+        why = "the model's positions" if positions <= room else "what the memory holds"
+        said.append(f"context {args.max_seq_len:,} tokens ({why})")
+    if args.dense:
+        said.insert(0, f"{share}: rows of up to {room:,} tokens for {args.batch_size} slots")
+    else:
+        # every slot at full context, and as much again for the prefix cache to keep
+        wanted = 2 * args.batch_size * -(-args.max_seq_len // page)
+        args.max_pages = min(room // page, wanted)
+        tokens = args.max_pages * page
+        said.insert(0, (
+            f"{share}: at most {args.max_pages:,} pages per layer ({tokens:,} tokens, "
+            f"{tokens * per_token / GIB:.2f} GiB when full; "
+            + ("all the share holds)" if args.max_pages < wanted else
+               f"twice --batch-size {args.batch_size} requests of the whole context)")
+        ))  # fmt: skip
+    args.memory_line = f"KV memory: {'; '.join(said)}"
     return None
 
 
