@@ -62,7 +62,7 @@ def forward_ragged(
         q, k, v = layer.before_attention(h, positions)  # [1, H(_kv), T, D]
         caches = [seg.cache[i] for seg in segments]
         if all(cache.pages_in_place for cache in caches):
-            outs = attend_in_place(q, k, v, segments, caches)
+            outs = attend_in_place(q, k, v, segments, caches)  # written in Week 3 Day 5
         else:
             outs = [
                 layer.self_attn.attend(q[:, :, rows_of(seg)], k[:, :, rows_of(seg)],
