@@ -105,7 +105,7 @@ class Timers:
 
 def measure(directory: str, mode: str, batch: int, args: argparse.Namespace) -> dict:
     """In this (fresh) process: the decode step times of one mode at one batch size, and
-    their split into parts (each part's median share per step, in ms)."""
+    their split into parts (each part's mean per step, in ms)."""
     import mlx.core as mx
 
     from tiny_llm_support import load_checkpoint

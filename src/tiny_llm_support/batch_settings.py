@@ -145,7 +145,8 @@ def check_arguments(args: argparse.Namespace, serving: bool = False) -> str | No
         given = [flag for flag, on in page_flags(args) if on]
         if given:
             return f"{given[0]} is about KV pages, and --dense asks for dense caches: drop one"
-    paged = args.max_pages is not None or args.page_size is not None or serving and not args.dense
+    sized = args.max_pages is not None or args.page_size is not None
+    paged = sized or (serving and not args.dense)  # serve's pages unless --dense
     if args.read_in_place is not None and not paged:
         flag = "--read-in-place" if args.read_in_place else "--gather"
         return f"{flag} is about reading KV pages: add --max-pages N (or --page-size N)"

@@ -91,12 +91,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = False) -> N
     positive = int_at_least(1)
     p.add_argument("--batch-size", type=positive, default=8 if serving else 5, help="decode slots")
     p.add_argument("--prefill-step", type=positive, default=128, help="tokens per prefill chunk")
-    if serving:
-        context = {"default": None, "help": "prompt + answer tokens (default: the model's "
-                   "positions, as far as the KV memory holds them)"}  # fmt: skip
-    else:
-        context = {"default": 512, "help": "prompt + answer tokens"}
-    p.add_argument("--max-seq-len", type=positive, **context)
+    context = "prompt + answer tokens"
+    if serving:  # a default of None has no "(default: ...)" of its own in --help
+        context += " (default: the model's positions, as far as the KV memory holds them)"
+    p.add_argument("--max-seq-len", type=positive, default=None if serving else 512, help=context)
     p.add_argument(
         "--dtype",
         choices=list(DTYPES),

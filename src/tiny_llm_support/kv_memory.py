@@ -90,25 +90,30 @@ def plan(args: argparse.Namespace, config: Any, dtype: str, weight_bytes: int) -
             f"{args.batch_size} (each running request needs a page or a row of its own): give "
             "a larger --memory-fraction" + ("" if args.dense else ", or --max-pages N")
         )
-    said = []
+    said = []  # the start-up line's parts, in order: the storage, then the context
+    context = None
     if args.max_seq_len is None:
         positions = config.max_position_embeddings
         args.max_seq_len = min(positions, room)
         why = "the model's positions" if positions <= room else "what the memory holds"
-        said.append(f"context {args.max_seq_len:,} tokens ({why})")
+        context = f"context {args.max_seq_len:,} tokens ({why})"
     if args.dense:
-        said.insert(0, f"{share}: rows of up to {room:,} tokens for {args.batch_size} slots")
+        said.append(f"{share}: rows of up to {room:,} tokens for {args.batch_size} slots")
     else:
         # every slot at full context, and as much again for the prefix cache to keep
         wanted = 2 * args.batch_size * -(-args.max_seq_len // page)
         args.max_pages = min(room // page, wanted)
         tokens = args.max_pages * page
-        said.insert(0, (
+        if args.max_pages < wanted:
+            held = "all the share holds"
+        else:
+            held = f"twice --batch-size {args.batch_size} requests of the whole context"
+        said.append(
             f"{share}: at most {args.max_pages:,} pages per layer ({tokens:,} tokens, "
-            f"{tokens * per_token / GIB:.2f} GiB when full; "
-            + ("all the share holds)" if args.max_pages < wanted else
-               f"twice --batch-size {args.batch_size} requests of the whole context)")
-        ))  # fmt: skip
+            f"{tokens * per_token / GIB:.2f} GiB when full; {held})"
+        )
+    if context:
+        said.append(context)
     args.memory_line = f"KV memory: {'; '.join(said)}"
     return None
 
