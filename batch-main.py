@@ -9,8 +9,9 @@ rich; otherwise a line is printed per prefill chunk, per finished request and pe
 decode steps. Then come the answers and the measurements. The scheduler settings of Week 3
 (--compile, --policy, --max-pages, --gather), the prefix cache of Week 4 Day 4 (--prefix-cache,
 off unless asked for) and speculative decoding of Week 4 Day 5 (--speculative ngram|MODEL,
---num-draft-tokens K; hybrid unless --policy alternate): tiny_llm_support.batch_settings;
-views: batch_views; measurements: batch_recorder; prompts: demo_prompts.
+--num-draft-tokens K; hybrid unless --policy alternate): tiny_llm_support.batch_settings and
+speculative_settings, the lines about them scheduler_lines; views: batch_views; measurements:
+batch_recorder; prompts: demo_prompts.
 """
 
 from __future__ import annotations
@@ -25,7 +26,15 @@ if __name__ == "__main__":
     startup.start()  # Ctrl-C or an MLX that cannot load: one line, from here on
 
 # ruff: noqa: E402 (the imports below load MLX)
-from tiny_llm_support import ModelNotAvailableError, blas_info, choose_device, cli, load_checkpoint
+from tiny_llm_support import (
+    ModelNotAvailableError,
+    blas_info,
+    choose_device,
+    cli,
+    load_checkpoint,
+    scheduler_lines,
+    speculative_settings,
+)
 from tiny_llm_support import batch_settings as settings
 from tiny_llm_support import batch_views as views
 from tiny_llm_support.batch_recorder import BatchRecorder, StepError
@@ -101,7 +110,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = ckpt.tokenizer
     problem = settings.check_model(args, ckpt.config, dtype)
     if draft_ckpt is not None and not problem:
-        problem = settings.check_draft(args, ckpt.config, draft_ckpt.config)
+        problem = speculative_settings.check_draft(args, ckpt.config, draft_ckpt.config)
     if problem:
         raise cli.UsageError(problem)
     try:
@@ -126,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         f"solution: {package.__name__}   device: {device} {dtype}   batch size {args.batch_size}"
         f"   prefill step {args.prefill_step}   max seq len {args.max_seq_len}"
     )
-    out(settings.describe(args))
+    out(scheduler_lines.describe(args))
     shared = sum(1 for p in chosen.prompts if p.context)
     out(
         f"{len(chosen.prompts)} prompts (seed {args.seed}), {shared} sharing the Harrowfield "
@@ -150,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
             out(f"tensor parallel: {group.size()} ranks, each with 1/{group.size()} of every block")
         pools = settings.make_pools(model, args)
         try:
-            proposer = settings.make_proposer(package, model, draft_ckpt, args)
+            proposer = speculative_settings.make_proposer(package, model, draft_ckpt, args)
         except ValueError as e:  # a copy of the course from before Week 4 Day 5
             raise cli.UsageError(str(e)) from e
         view = (
@@ -179,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
             )
         rec.stop()
     except NotImplementedError as e:
-        hint = settings.unfinished_hint(args, e, "batch-main")
+        hint = scheduler_lines.unfinished_hint(args, e, "batch-main")
         print(cli.unfinished_message(args.solution, e) + hint, file=sys.stderr)
         return 1
     except StepError as e:
@@ -192,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
         out, [p.label() for p in chosen.prompts], answers, console if live else None
     )
     views.print_summary(out, rec, console if live else None)
-    for line in settings.summary_lines(model, pools, cached[0], proposer):
+    for line in scheduler_lines.summary_lines(model, pools, cached[0], proposer):
         out(line)
     if args.model == "tiny-random":
         out("(tiny-random: random weights, so the answers above are meaningless by design)")

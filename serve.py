@@ -15,7 +15,7 @@ The engine runs in a process of its own, which loads the model and steps the eng
 (tiny_llm_support.engine_process); this process serves HTTP and talks to it over a pipe
 (tiny_llm_support.server_engine), so no request can stop the server: a failure inside the engine
 fails the requests it touched, and an engine process that dies is started again. The endpoints
-and the wire format: tiny_llm_support.server and server_api.
+and the wire format: tiny_llm_support.server, server_api and server_replies.
 
 It serves with the course's fastest design by default, not batch-main's teaching defaults: the
 hybrid policy (Week 3 Day 4), a paged pool read in place (Week 3 Day 5) with the prefix cache
@@ -43,10 +43,11 @@ if __name__ == "__main__":
 # ruff: noqa: E402 (the imports below load MLX)
 from tiny_llm_support import ModelNotAvailableError, cli
 from tiny_llm_support import batch_settings as settings
+from tiny_llm_support.engine_pipe import EngineStartError
 from tiny_llm_support.engine_process import build_engine
 from tiny_llm_support.launch import in_ranks, join_ranks, relaunch_as_ranks
 from tiny_llm_support.server import OpenAIServer, ServerSettings
-from tiny_llm_support.server_engine import EngineClient, EngineStartError
+from tiny_llm_support.server_engine import EngineClient
 from tiny_llm_support.server_ranks import follow
 from tiny_llm_support.server_run import listen, serve
 from tiny_llm_support.tokenizer import load_tokenizer

@@ -996,7 +996,7 @@ def test_a_solution_without_speculation_stops_at_start_up(tmp_path):
 def test_start_up_reaches_every_task_of_the_day(ref, monkeypatch, task):
     """check_proposer calls each task a request would reach (here one at a time left unwritten)
     and, when all are written, counts nothing."""
-    from tiny_llm_support import batch_settings
+    from tiny_llm_support import speculative_settings
 
     message = f"Week 4 Day 5: {task} is not written"
     if task is not None:
@@ -1007,11 +1007,11 @@ def test_start_up_reaches_every_task_of_the_day(ref, monkeypatch, task):
         monkeypatch.setattr(tiny_llm_ref.speculative, task, unwritten)
     proposer = tiny_llm_ref.PromptLookup(num_draft_tokens=4)
     if task is None:
-        batch_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)
+        speculative_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)
         assert (proposer.proposed, proposer.accepted) == (0, 0)
         return
     with pytest.raises(NotImplementedError, match=message):
-        batch_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)
+        speculative_settings.check_proposer(tiny_llm_ref, proposer, ref.model, ref.tokenizer)
 
 
 # --- a chat without text (issue 33) -----------------------------------------------------------

@@ -23,7 +23,7 @@ import pytest
 from test_serve import API_KEY, MAX_SEQ_LEN, Server
 from test_serve import request as http_request
 
-from tiny_llm_support import server_engine
+from tiny_llm_support import server_channels
 
 ROOT = Path(__file__).resolve().parent.parent
 BUDGET = 16  # small chunks: a chat prompt takes two or three passes to prefill
@@ -153,16 +153,16 @@ def test_a_slow_client_loses_the_oldest_snapshots():
     """Nobody waits for a slow page: a subscriber keeps only its latest snapshots."""
 
     async def main():
-        subscriber = server_engine.Subscriber()
+        subscriber = server_channels.Subscriber()
         for i in range(100):
             subscriber.put(str(i))
-        got = [await subscriber.next(timeout=1) for _ in range(server_engine.SNAPSHOTS_QUEUED)]
+        got = [await subscriber.next(timeout=1) for _ in range(server_channels.SNAPSHOTS_QUEUED)]
         assert await subscriber.next(timeout=0.01) == ""  # nothing left: a keep-alive
         subscriber.put(None)
         return got, await subscriber.next(timeout=1)
 
     got, end = asyncio.run(main())
-    assert got == [str(i) for i in range(100 - server_engine.SNAPSHOTS_QUEUED, 100)]
+    assert got == [str(i) for i in range(100 - server_channels.SNAPSHOTS_QUEUED, 100)]
     assert end is None
 
 

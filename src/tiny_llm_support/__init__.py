@@ -13,21 +13,10 @@ from importlib import import_module
 from typing import Any
 
 _MODULE_OF = {
-    "checkpoint": [
-        "Checkpoint",
-        "expected_shapes",
-        "load_checkpoint",
-        "quantize_checkpoint",
-        "quantize_weights",
-    ],
+    "checkpoint": ["Checkpoint", "load_checkpoint", "quantize_checkpoint", "quantize_weights"],
+    "checkpoint_checks": ["expected_shapes"],
     "checkpoint_files": ["CheckpointError"],
-    "config": [
-        "QUANT_BITS",
-        "QUANT_GROUP_SIZES",
-        "Quantization",
-        "Qwen3Config",
-        "check_quant_format",
-    ],
+    "config": ["Qwen3Config"],
     "device": [
         "OPENBLAS_HINT",
         "blas_info",
@@ -39,6 +28,7 @@ _MODULE_OF = {
     ],
     "models": ["SHORTCUTS", "ModelNotAvailableError", "resolve_model"],
     "oracle": ["mlx_lm_qwen3"],
+    "quant_format": ["QUANT_BITS", "QUANT_GROUP_SIZES", "Quantization", "check_quant_format"],
     "tiny": ["make_tiny_checkpoint", "make_tiny_moe_checkpoint", "random_weights"],
     "tokenizer": ["StreamingDetokenizer", "Tokenizer", "load_tokenizer"],
 }

@@ -1,4 +1,5 @@
-"""The Qwen3 model configuration, parsed from a Hugging Face `config.json`."""
+"""The Qwen3 model configuration, parsed from a Hugging Face `config.json` (its `quantization`
+entry into quant_format.Quantization)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint_files import CheckpointError, read_json_object
+from .quant_format import Quantization, check_quant_format
 
 _REQUIRED = (
     "vocab_size",
@@ -26,37 +28,6 @@ MODEL_TYPES = ("qwen3", "qwen3_moe")
 # PreTrainedConfig saves torch_dtype as dtype. (v5 also folds rope_theta and rope_scaling
 # into rope_parameters; _rope_theta reads both forms.)
 _V5_NAMES = {"num_local_experts": "num_experts", "dtype": "torch_dtype"}
-
-# MLX's affine format as tiny-llm reads it: codes of these widths pack evenly into a uint32,
-# and these are the group sizes mx.quantize accepts.
-QUANT_BITS = (2, 4, 8)
-QUANT_GROUP_SIZES = (32, 64, 128)
-
-
-def check_quant_format(group_size: int, bits: int, source: str | Path) -> None:
-    """A clear error for a group size or bit width outside MLX's affine format."""
-    if group_size not in QUANT_GROUP_SIZES:
-        raise ValueError(
-            f"{source}: group_size must be one of {QUANT_GROUP_SIZES}, got {group_size}"
-        )
-    if bits not in QUANT_BITS:
-        raise ValueError(f"{source}: bits must be one of {QUANT_BITS}, got {bits}")
-
-
-@dataclass(frozen=True)
-class Quantization:
-    """config.json's `quantization` entry, as mlx-lm's convert writes it: one group size and
-    bit width for the whole model, and optionally per layer ("model.layers.0.mlp.down_proj")
-    its own, or False for a layer left in float. Which layers are quantized is decided by
-    the tensors: a layer is quantized when the checkpoint has its `.scales`."""
-
-    group_size: int
-    bits: int
-    layers: tuple[tuple[str, tuple[int, int] | None], ...] = ()
-
-    def of(self, layer: str) -> tuple[int, int] | None:
-        """(group_size, bits) of a layer, or None where the config leaves it in float."""
-        return dict(self.layers).get(layer, (self.group_size, self.bits))
 
 
 @dataclass(frozen=True)

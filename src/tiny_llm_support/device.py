@@ -116,4 +116,4 @@ def reexec_with_openblas() -> None:
     env[_REEXEC_MARK] = "1"
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)  # as started: -m too

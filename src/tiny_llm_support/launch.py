@@ -84,7 +84,7 @@ def launch_command(command: list[str], ranks: int, hostfile: str | Path | None =
         cmd += ["-n", str(ranks), "--hosts", "127.0.0.1", "--starting-port", str(free_ports(ranks))]
     else:
         cmd += ["--hostfile", str(hostfile)]
-    return [*cmd, *command]
+    return [*cmd, "--", *command]  # after "--": `-m module` is the command's, not mlx.launch's
 
 
 def launch(

@@ -4,7 +4,7 @@ The engine reports every scheduler event to an EngineWatch (Engine(on_step=...))
 of the engine loop that reports its state (at most MIN_INTERVAL_S apart while the engine works,
 always when it goes idle or when asked), `publish` turns the engine's state into a small JSON
 snapshot, which the engine process sends to the HTTP process. There the latest snapshot is kept for GET / (drawn at
-once) and handed to every /events client (server_engine.Subscriber).
+once) and handed to every /events client (server_channels.Subscriber).
 """
 
 from __future__ import annotations

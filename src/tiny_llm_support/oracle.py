@@ -3,7 +3,8 @@ the benchmarks. mlx-lm is a development dependency, imported only when this is c
 
 from __future__ import annotations
 
-from .checkpoint import Checkpoint, expected_shapes
+from .checkpoint import Checkpoint
+from .checkpoint_checks import expected_shapes
 
 
 def mlx_lm_qwen3(ckpt: Checkpoint):

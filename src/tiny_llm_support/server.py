@@ -10,6 +10,7 @@ that runs in a process of its own (server_engine.EngineClient, engine_process.py
                                 and speculative decoding's acceptance rate
     GET  /                      the live page: a chat box beside the engine as it runs (static/)
     GET  /events                the engine's snapshots as server-sent events, for that page
+                                (these two and the page's files: server_page.py)
 
 A handler checks the request (server_api), turns it into token ids and sampling settings, and
 hands it to the engine process; it never calls the model. The engine's outputs come back on the
@@ -27,42 +28,26 @@ import asyncio
 import contextlib
 import hmac
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import resources
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import (
-    HTMLResponse,
-    JSONResponse,
-    PlainTextResponse,
-    Response,
-    StreamingResponse,
-)
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from .server_api import (
-    ApiError,
-    ChatRequest,
-    CompletionRequest,
-    Reply,
-    parse_request,
-    sampling_settings,
-    sse,
-)
-from .server_engine import Channel, EngineClient
+from .server_api import ApiError, ChatRequest, CompletionRequest, parse_request, sampling_settings
+from .server_channels import Channel
+from .server_engine import EngineClient
 from .server_metrics import prometheus_text
+from .server_page import LivePage
+from .server_replies import EVENT_STREAM, Reply
 from .server_stream import indexed, server_error, sse_events, usage_of
 from .tokenizer import ChatTemplateError, check_chat_text
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
 DRAIN_BYTES = 16 << 20  # read (and drop) a too-large body up to this size before answering
-FIRST_SNAPSHOT = '<script id="first-snapshot" type="application/json">{}</script>'
-STATIC_FILES = {"live.css": "text/css", "live.js": "text/javascript"}  # the page's, in static/
-KEEPALIVE_S = 15  # an idle /events stream sends a comment this often
 BODY_TIMEOUT_S = 20  # a request body must arrive whole within this (a stalled upload: 408)
-EVENT_STREAM = {"Cache-Control": "no-cache"}  # every text/event-stream response
 
 
 @dataclass
@@ -76,7 +61,7 @@ class ServerSettings:
     max_body_bytes: int = MAX_BODY_BYTES
 
 
-class OpenAIServer:
+class OpenAIServer(LivePage):
     """The request handlers, around one EngineClient."""
 
     def __init__(
@@ -148,45 +133,6 @@ class OpenAIServer:
     async def metrics(self) -> Response:
         text = prometheus_text(self.service.stats, self.service.refused_busy)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-    # --- the live page -----------------------------------------------------------------------
-
-    async def page(self) -> Response:
-        """index.html, its <meta name="api-key"> set to "required" when there is a key;
-        without one, the engine's latest snapshot is in the page, drawn before any event."""
-        html = static_text("index.html")
-        if self.settings.api_key is not None:
-            html = html.replace(
-                'name="api-key" content="none"', 'name="api-key" content="required"'
-            )
-        elif self.service.snapshot is not None:
-            first = self.service.snapshot.replace("<", "\\u003c")  # no </script> inside
-            html = html.replace(FIRST_SNAPSHOT.format("null"), FIRST_SNAPSHOT.format(first))
-        return HTMLResponse(html, headers={"Cache-Control": "no-cache"})
-
-    async def static(self, name: str) -> Response:
-        if name not in STATIC_FILES:
-            raise ApiError(404, f"GET /static/{name}: no such file")
-        headers = {"Cache-Control": "no-cache"}
-        return Response(static_text(name), media_type=STATIC_FILES[name], headers=headers)
-
-    async def events(self, request: Request) -> Response:
-        """A snapshot of the engine whenever it changes (at most 20 a second), as server-sent
-        events `data: {...}`, until the client leaves or the server stops. The engine process
-        makes them (live_view.EngineWatch); this handler only reads its own queue."""
-        self._authorize(request)
-        return StreamingResponse(
-            self._watch(), media_type="text/event-stream", headers=EVENT_STREAM
-        )
-
-    async def _watch(self) -> AsyncIterator[str]:
-        """Subscribed only once the response streams, so that the finally below always runs."""
-        subscriber = self.service.subscribe()
-        try:
-            while (snapshot := await subscriber.next(KEEPALIVE_S)) is not None:
-                yield sse(snapshot) if snapshot else ": keep-alive\n\n"
-        finally:
-            self.service.unsubscribe(subscriber)
 
     # --- checks -------------------------------------------------------------------------------
 
@@ -337,11 +283,6 @@ class OpenAIServer:
         finally:
             hangup.cancel()
             self._cancel(channels)
-
-
-def static_text(name: str) -> str:
-    """A file of the live page, read at each request (edit it, reload the page)."""
-    return resources.files(__package__).joinpath("static", name).read_text(encoding="utf-8")
 
 
 async def read_body(request: Request, limit: int) -> bytes:

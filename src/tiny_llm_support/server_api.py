@@ -1,5 +1,5 @@
-"""The OpenAI wire format of serve.py: request bodies checked with pydantic, and the JSON of
-responses, stream chunks and errors.
+"""The OpenAI wire format of serve.py's requests: their bodies checked with pydantic, and the
+JSON of errors (ApiError). The JSON of answers, whole or streamed, is server_replies'.
 
 Every check here runs before a request reaches the engine, so a refused request costs the engine
 nothing. A field the server does not implement is refused by name rather than ignored: a client
@@ -11,9 +11,6 @@ the values that are accepted for that reason.
 from __future__ import annotations
 
 import json
-import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import (
@@ -302,82 +299,3 @@ def _first_problem(error: ValidationError) -> ApiError:
         detail = problem["msg"].removeprefix("Value error, ")
         message = f"invalid '{where}': {detail[:1].lower()}{detail[1:]}"
     return ApiError(400, message, param=where or None)
-
-
-@dataclass
-class Reply:
-    """The JSON a request gets back: one response, or the chunks of a stream.
-
-    kind "chat" writes chat.completion objects (a `message`, or a `delta` per chunk with the
-    role first); kind "text" writes text_completion objects (`text`).
-    """
-
-    kind: Literal["chat", "text"]
-    model: str
-    include_usage: bool = False
-    id: str = ""
-    created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
-        self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
-
-    def response(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The whole answer of a request that did not stream: (text, finish_reason) of each
-        choice."""
-        out = []
-        for index, (text, finish_reason) in enumerate(choices):
-            if self.kind == "chat":
-                choice = {"message": {"role": "assistant", "content": text}}
-            else:
-                choice = {"text": text}
-            out.append({**choice, "index": index, "finish_reason": finish_reason, "logprobs": None})
-        return self._envelope("", out, usage=usage)
-
-    def chunk(
-        self, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0
-    ) -> dict[str, Any]:
-        """One stream chunk of choice `index`: new text, or the finish reason (a chat chunk
-        carries the role once, in the first chunk, and an empty delta with the finish reason)."""
-        if self.kind == "chat":
-            delta = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice = {"delta": delta}
-        else:
-            choice = {"text": text}
-        choice.update(index=index, finish_reason=finish_reason, logprobs=None)
-        extra = {"usage": None} if self.include_usage else {}
-        return self._envelope(".chunk", [choice], **extra)
-
-    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The last chunk of a stream with include_usage: no choices, the token counts."""
-        return self._envelope(".chunk", [], usage=usage)
-
-    def _envelope(self, suffix: str, choices: list, **extra: Any) -> dict[str, Any]:
-        kind = "chat.completion" + suffix if self.kind == "chat" else "text_completion"
-        return {
-            "id": self.id,
-            "object": kind,
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-            **extra,
-        }
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's usage object. cached_tokens: the prompt tokens whose KV came from the prefix
-    cache (Week 4 Day 4) instead of a prefill, under OpenAI's name for them."""
-    return {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
-
-
-def sse(payload: dict[str, Any] | str) -> str:
-    """One server-sent event: `data: <json>` and a blank line ("[DONE]" goes as is)."""
-    data = payload if isinstance(payload, str) else json.dumps(payload, separators=(",", ":"))
-    return f"data: {data}\n\n"

@@ -12,6 +12,10 @@ so that a long prompt never blocks the loop while the engine is busy. No handler
 the engine, and the engine never waits for a client. A request is known to both sides by a key the HTTP side chooses; the
 pipe keeps commands in order, so an abort always arrives after the add it cancels.
 
+This module holds EngineClient, what the handlers call. One engine process with its pipe and
+writer thread is an EngineProcess (engine_pipe.py); a request's Channel and an /events client's
+Subscriber, the queues the handlers read, are in server_channels.py.
+
 When the engine process ends unasked (killed, crashed, or exiting to be restarted), every request
 in flight gets a 500, /health says so, and a fresh process is started (at most MAX_RESTARTS in
 RESTART_WINDOW_S; under --tp, whose other ranks cannot follow a new process, never); past that
@@ -23,158 +27,20 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import multiprocessing
-import os
-import queue
-import signal
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import engine_process
+from .engine_pipe import EngineProcess
 from .server_api import ApiError
+from .server_channels import Accepted, Channel, Output, Subscriber
 
 RETRY_AFTER_SECONDS = 1
-SNAPSHOTS_QUEUED = 8  # per /events client: a slower one loses the oldest (each is whole)
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600
-STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
-
-
-class EngineStartError(Exception):
-    """The engine process did not start. kind: "unfinished" (an exercise not written yet),
-    "usage" (the flags), or "error"; the message is the line serve prints."""
-
-    def __init__(self, kind: str, message: str) -> None:
-        super().__init__(message)
-        self.kind = kind
-
-
-@dataclass
-class Accepted:
-    """The engine took the request: outputs follow."""
-
-
-@dataclass
-class Output:
-    """What one engine step produced for one request (the engine's RequestOutput, as the pipe
-    carries it). sampled_at: time.monotonic() in the engine process when that step ended."""
-
-    key: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    sampled_at: float
-
-
-class Channel:
-    """One request on its way through the engine: what to run, and a queue, read by its
-    handler, that receives Accepted, then Outputs, or at most one ApiError (a refusal or a
-    failure). Lives on the event loop."""
-
-    def __init__(self, prompt: list[int], params: Any) -> None:
-        self.prompt, self.params = prompt, params
-        self.key: int | None = None
-        self._events: asyncio.Queue = asyncio.Queue()
-
-    def put(self, event: Any) -> None:
-        self._events.put_nowait(event)
-
-    async def next(self) -> Any:
-        """The next event; an ApiError is raised rather than returned."""
-        event = await self._events.get()
-        if isinstance(event, ApiError):
-            raise event
-        return event
-
-
-class Subscriber:
-    """One /events client: its latest snapshots (JSON text), read by its handler on the event
-    loop. The queue is bounded: when the client reads too slowly the oldest snapshot is dropped,
-    so nobody waits for it. None at the end: the engine has stopped."""
-
-    def __init__(self) -> None:
-        self._queue: deque[str | None] = deque(maxlen=SNAPSHOTS_QUEUED)
-        self._ready = asyncio.Event()
-
-    def put(self, snapshot: str | None) -> None:
-        """Queue a snapshot (on the event loop; it never blocks)."""
-        self._queue.append(snapshot)  # a full deque drops its oldest
-        self._ready.set()
-
-    async def next(self, timeout: float) -> str | None:
-        """The oldest snapshot queued; "" if none came within `timeout` seconds; None once
-        the engine has stopped."""
-        while not self._queue:
-            self._ready.clear()
-            try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
-                return ""
-        return self._queue.popleft()
-
-
-class EngineProcess:
-    """One engine process and its pipe, whose messages the event loop reads as they come
-    (EngineClient.attach); a writer thread sends what is put in `outbox`."""
-
-    def __init__(self, args: argparse.Namespace, path: Path, draft_path: Path | None) -> None:
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no MLX state forked
-        self.conn, child_conn = context.Pipe()
-        self.process = context.Process(
-            target=engine_process.main, args=(child_conn, args, path, draft_path), daemon=True
-        )
-        # The engine ignores Ctrl-C and SIGTERM (this process closes it): blocked while it
-        # starts, and held for this process meanwhile, so that neither is lost or reaches it.
-        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
-            self.process.start()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, old)
-        child_conn.close()
-        self.outbox: queue.Queue = queue.Queue()
-
-    def wait_ready(self) -> dict[str, Any]:
-        """The engine's "ready" info, or EngineStartError. Polls, so Ctrl-C is heard."""
-        while not self.conn.poll(0.1):
-            if not self.process.is_alive() and not self.conn.poll(0):
-                status = self.process.exitcode
-                raise EngineStartError(
-                    "error", f"the engine process ended at start (status {status})"
-                )
-        try:
-            message = self.conn.recv()
-        except EOFError:
-            raise EngineStartError("error", "the engine process ended at start") from None
-        if message[0] == "failed":
-            raise EngineStartError(message[1], message[2])
-        return message[1]
-
-    def start_writer(self) -> None:
-        """The thread that sends what is put in `outbox`, until None."""
-        threading.Thread(target=self._write, name="engine-writer", daemon=True).start()
-
-    def _write(self) -> None:
-        while (message := self.outbox.get()) is not None:
-            try:
-                self.conn.send(message)
-            except OSError:  # the engine is gone: the event loop hears of it from the pipe
-                return
-
-    def stop(self, timeout: float) -> None:
-        """Ask the engine to stop, then wait; killed if it does not."""
-        self.outbox.put(("close",))
-        self.outbox.put(None)
-        self.process.join(timeout)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
 
 
 class EngineClient:
@@ -450,10 +316,3 @@ def _busy(max_waiting: int | None) -> ApiError:
         code="rate_limit_exceeded",
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
     )
-
-
-def stamping() -> bool:
-    """TINY_LLM_STAMP_TOKENS=1: each stream chunk also carries `tiny_llm_sampled_at`, the
-    engine's clock when its tokens were sampled (for bench-token-delivery; off by default, so
-    the wire format is OpenAI's)."""
-    return os.environ.get("TINY_LLM_STAMP_TOKENS") == "1"

@@ -4,13 +4,15 @@ response, merged in the order they come, as one JSON object or as server-sent ev
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import traceback
 from collections.abc import AsyncIterator
 from typing import Any
 
-from .server_api import ApiError, Reply, sse, usage
-from .server_engine import Channel, stamping
+from .server_api import ApiError
+from .server_channels import Channel
+from .server_replies import Reply, sse, usage
 
 
 async def outputs(channel: Channel) -> AsyncIterator[Any]:
@@ -97,3 +99,10 @@ def server_error(error: Exception) -> ApiError:
     traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
     message = f"the server failed: {type(error).__name__}: {error}"
     return ApiError(500, message, kind="server_error")
+
+
+def stamping() -> bool:
+    """TINY_LLM_STAMP_TOKENS=1: each stream chunk also carries `tiny_llm_sampled_at`, the
+    engine's clock when its tokens were sampled (for bench-token-delivery; off by default, so
+    the wire format is OpenAI's)."""
+    return os.environ.get("TINY_LLM_STAMP_TOKENS") == "1"

@@ -16,11 +16,12 @@ from .checkpoint import (
     EXPERT_PROJECTIONS,
     INDEX_FILE,
     SINGLE_FILE,
-    expected_shapes,
     quantize_weights,
     to_mx_dtype,
 )
-from .config import Qwen3Config, check_quant_format
+from .checkpoint_checks import expected_shapes
+from .config import Qwen3Config
+from .quant_format import check_quant_format
 from .tiny_tokenizer import tiny_tokenizer_config, tiny_tokenizer_json
 
 TINY_DEFAULTS: dict[str, Any] = {

@@ -7,7 +7,8 @@ same corpus. Everything is seeded, so the same corpus, settings and machine give
 weights. The output directory gets the checkpoint in Hugging Face layout (16-bit weights); the
 results directory (benches/results/ for the shipped checkpoint) the loss of every step
 (train-tiny-log.csv), a summary the book quotes (train-tiny.json) and the loss curve
-(train-tiny-loss.png).
+(train-tiny-loss.png). The data and its batches are train_data's, the evaluation and the loss
+curve train_eval's.
 
 mlx-lm is a development dependency: it is imported only when training runs.
 """
@@ -20,7 +21,6 @@ import json
 import os
 import platform
 import time
-from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -30,16 +30,14 @@ import mlx.core as mx
 import mlx.nn as nn
 import mlx.optimizers as optim
 import numpy as np
-import tokenizers
 
-from .checkpoint import load_checkpoint
 from .device import blas_info
 from .models import TINY_CHAT_DIR
-from .oracle import mlx_lm_qwen3
 from .tiny import tiny_config, write_checkpoint
 from .tiny_corpus import CORPUS_FILE, ROOT, build_corpus, file_sha256, read_corpus, write_corpus
-from .tiny_tokenizer import byte_bpe_tokenizer_json, tiny_tokenizer_config
 from .tokenizer import Tokenizer
+from .train_data import Batch, book_rows, book_tokens, chat_row, make_batches, train_tokenizer
+from .train_eval import evaluate, plot_losses
 
 RESULTS_DIR = ROOT / "benches" / "results"  # where the shipped checkpoint's run reports
 LOG_FILE = "train-tiny-log.csv"
@@ -73,91 +71,7 @@ class TrainSettings:
     eval_pairs: int = -1  # Q&A pairs to answer greedily at the end (-1: all)
 
 
-# A training row is one sequence: ids [n + 1] and the weights of its n targets (0 = no loss).
-Row = tuple[np.ndarray, np.ndarray]
-# A batch: inputs [B, L], targets [B, L], weights [B, L] (rows padded to the longest).
-Batch = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-# --- tokenizer and rows ---------------------------------------------------------------------
-
-
-def train_tokenizer(docs: list[dict[str, Any]], num_merges: int) -> tuple[str, Tokenizer]:
-    """Merges learned from every distinct paragraph of the corpus (the Harrowfield paragraph,
-    repeated before many questions, counts once)."""
-    texts = []
-    for doc in docs:
-        texts += [doc["text"]] if doc["kind"] == "book" else [m["content"] for m in doc["messages"]]
-    paragraphs = dict.fromkeys(p for text in texts for p in text.split("\n\n"))
-    tokenizer_json = byte_bpe_tokenizer_json("\n\n".join(paragraphs), num_merges)
-    hf = tokenizers.Tokenizer.from_str(tokenizer_json)
-    return tokenizer_json, Tokenizer(hf, tiny_tokenizer_config())
-
-
-def chat_row(
-    tokenizer: Tokenizer, messages: list[dict[str, str]], lead_tokens: int, lead_weight: float
-) -> Row:
-    """The prompt exactly as the demo sends it (thinking off), then the answer and EOS.
-
-    Only the answer and the empty think block before it carry loss: the model learns to
-    answer, and to write the empty think block itself when a prompt leaves thinking on. The
-    first `lead_tokens` of the answer weigh `lead_weight`: once they are right the rest of a
-    memorized answer follows easily, and with equal weights they get too little of the loss.
-    """
-    user, answer = messages[:-1], messages[-1]["content"]
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(user, enable_thinking=False))
-    thinking = tokenizer.encode(tokenizer.apply_chat_template(user, enable_thinking=True))
-    assert prompt[: len(thinking)] == thinking, "the think block must extend the prompt"
-    reply = tokenizer.encode(answer) + [tokenizer.eos_token_id]
-    ids = np.array(prompt + reply, dtype=np.int32)
-    weights = np.zeros(len(ids) - 1, dtype=np.float32)
-    weights[len(thinking) - 1 :] = 1.0  # targets from the first token after "assistant\n"
-    weights[len(prompt) - 1 : len(prompt) - 1 + lead_tokens] = lead_weight
-    return ids, weights
-
-
-def book_tokens(tokenizer: Tokenizer, docs: list[dict[str, Any]]) -> np.ndarray:
-    """Every book document, each followed by <|endoftext|>, as one stream of ids."""
-    end = tokenizer.token_to_id("<|endoftext|>")
-    ids: list[int] = []
-    for doc in docs:
-        if doc["kind"] == "book":
-            ids += tokenizer.encode(doc["text"]) + [end]
-    return np.array(ids, dtype=np.int32)
-
-
-def book_rows(stream: np.ndarray, window: int, start: int) -> list[Row]:
-    """Windows of `window` targets from `start` on (a different start every epoch)."""
-    rows = []
-    for i in range(start, len(stream) - 1, window):
-        ids = stream[i : i + window + 1]
-        if len(ids) > 1:
-            rows.append((ids, np.ones(len(ids) - 1, dtype=np.float32)))
-    return rows
-
-
-def make_batches(rows: list[Row], batch_tokens: int, rng: np.random.RandomState) -> list[Batch]:
-    """Rows shuffled, then rows of similar length (the same multiple of 32 tokens) batched
-    together, up to `batch_tokens` tokens a batch, each padded to its longest row."""
-    buckets: defaultdict[int, list[Row]] = defaultdict(list)
-    for i in rng.permutation(len(rows)):
-        buckets[-(-(len(rows[i][0]) - 1) // 32)].append(rows[i])
-    batches = []
-    for size32, bucket in sorted(buckets.items()):
-        size = max(1, batch_tokens // (size32 * 32))
-        batches += [_pad(bucket[j : j + size]) for j in range(0, len(bucket), size)]
-    return batches
-
-
-def _pad(group: list[Row]) -> Batch:
-    length = max(len(ids) - 1 for ids, _ in group)
-    inputs = np.zeros((len(group), length), dtype=np.int32)
-    targets = np.zeros((len(group), length), dtype=np.int32)
-    weights = np.zeros((len(group), length), dtype=np.float32)
-    for b, (ids, w) in enumerate(group):
-        n = len(ids) - 1
-        inputs[b, :n], targets[b, :n], weights[b, :n] = ids[:-1], ids[1:], w
-    return inputs, targets, weights
+# --- the plan of a run ----------------------------------------------------------------------
 
 
 def plan_batches(
@@ -315,79 +229,6 @@ def _flat_parameters(model: nn.Module) -> dict[str, mx.array]:
     from mlx.utils import tree_flatten
 
     return dict(tree_flatten(model.parameters()))
-
-
-# --- evaluation -----------------------------------------------------------------------------
-
-
-def greedy_reply(model: Any, tokenizer: Tokenizer, user: str, max_tokens: int = 160) -> list[int]:
-    """Greedy answer of mlx-lm's model to one user message, up to and with EOS."""
-    from mlx_lm.models.cache import make_prompt_cache
-
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user}])
-    cache = make_prompt_cache(model)
-    inputs, out = mx.array([tokenizer.encode(text)]), []
-    while len(out) < max_tokens:
-        token = mx.argmax(model(inputs, cache=cache)[0, -1]).item()
-        out.append(token)
-        if token in tokenizer.eos_token_ids:
-            break
-        inputs = mx.array([[token]])
-    return out
-
-
-def evaluate(path: Path, docs: list[dict[str, Any]], limit: int) -> dict[str, Any]:
-    """How many Q&A answers the saved checkpoint (read back as float32) reproduces exactly."""
-    ckpt = load_checkpoint(path, dtype="float32")
-    model = mlx_lm_qwen3(ckpt)
-    pairs = [d["messages"] for d in docs if d["kind"] == "chat"]
-    pairs = pairs if limit < 0 else pairs[:limit]
-    exact, missed = 0, []
-    for messages in pairs:
-        reply = greedy_reply(model, ckpt.tokenizer, messages[0]["content"])
-        want = ckpt.tokenizer.encode(messages[1]["content"]) + [ckpt.tokenizer.eos_token_id]
-        if reply == want:
-            exact += 1
-        else:
-            missed.append(messages[0]["content"].split("\n\n")[-1])
-    return {"pairs": len(pairs), "exact": exact, "missed": missed}
-
-
-# --- the loss curve ---------------------------------------------------------------------------
-
-
-def plot_losses(log_file: Path, png: Path) -> None:
-    """The loss of every step, book and chat batches apart, with their means per epoch
-    (matplotlib, a development dependency)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    with open(log_file, encoding="utf-8") as f:
-        rows = list(csv.DictReader(f))
-    fig, ax = plt.subplots(figsize=(8, 4.2))
-    for kind, color, label in [
-        ("book", "tab:blue", "book text"),
-        ("chat", "tab:orange", "Q&A answers"),
-    ]:
-        mine = [r for r in rows if r["kind"] == kind]
-        steps = [int(r["step"]) for r in mine]
-        ax.plot(steps, [float(r["loss"]) for r in mine], ".", ms=2, color=color, alpha=0.35)
-        per_epoch: dict[int, list[tuple[int, float]]] = defaultdict(list)
-        for r in mine:
-            per_epoch[int(r["epoch"])].append((int(r["step"]), float(r["loss"])))
-        ends = [max(x for x, _ in v) for _, v in sorted(per_epoch.items())]
-        means = [float(np.mean([y for _, y in v])) for _, v in sorted(per_epoch.items())]
-        ax.plot(ends, means, "o-", color=color, label=f"{label}: batches, mean per epoch")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("cross-entropy per target token (nats)")
-    ax.set_title("Training the tiny chat model")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
-    fig.savefig(png, dpi=110, bbox_inches="tight")
-    plt.close(fig)
 
 
 # --- command line ---------------------------------------------------------------------------
