@@ -1,5 +1,5 @@
 """The machine's limits, measured through MLX: matmul GFLOP/s (fp32, bf16, and fp16 when that
-is the run's dtype), copy GB/s, and the GB/s of one large matrix-vector product.
+is the run's dtype), copy GB/s, and the GB/s of one large matrix-vector product (gemv).
 
 A model's prefill is compared with the matmul ceiling, its decode with the bandwidth ceiling
 (the larger of copy and gemv). `timed`, `sample` and `stats` time any MLX computation.
@@ -7,17 +7,19 @@ A model's prefill is compared with the matmul ceiling, its decode with the bandw
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import mlx.core as mx
-from common import log, median
 
+from benches.harness import log
 from tiny_llm_support.cli import DTYPES
 
 
 def timed(fn: Callable[[], Any]) -> float:
+    """Seconds to build and evaluate fn()."""
     t0 = time.perf_counter()
     mx.eval(fn())
     return time.perf_counter() - t0
@@ -36,36 +38,21 @@ def sample(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:
 
 
 def stats(values: Sequence[float]) -> dict[str, Any]:
+    values = list(values)
     return {
-        "median": median(values),
+        "median": statistics.median(values),
         "min": min(values),
         "max": max(values),
-        "values": list(values),
+        "values": values,
     }
 
 
-def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
-    """Matmul GFLOP/s (fp32, bf16, and fp16 if that is the dtype), copy and gemv GB/s."""
-    out: dict[str, Any] = {"matmul_size": size}
-    ka, kb = mx.random.split(mx.random.key(1))
-    for name, dt in DTYPES.items():
-        if name == "float16" and dt != dtype:
-            continue
-        a = mx.random.uniform(-1, 1, (size, size), key=ka).astype(dt)
-        b = mx.random.uniform(-1, 1, (size, size), key=kb).astype(dt)
-        mx.eval(a, b)
-        times = sample(lambda a=a, b=b: a @ b, repeats, budget_s=5.0)
-        out[f"matmul_{name}_gflops"] = stats([2.0 * size**3 / t / 1e9 for t in times])
-        log(
-            f"  matmul {size}x{size} {name}: {out[f'matmul_{name}_gflops']['max']:.1f} GFLOP/s "
-            f"(best of {len(times)})"
-        )
-
-    # Copy: a float32 source larger than the caches, copied in 8 MB pieces. A single large
-    # output would come from a fresh mmap every time on Linux, and the page faults of first
-    # touching it would be timed as well; that number is recorded separately.
+def copy_gbs(copy_mb: int, repeats: int, key: mx.array) -> dict[str, Any]:
+    """Copy: a float32 source larger than the caches, copied in 8 MB pieces. A single large
+    output would come from a fresh mmap every time on Linux, and the page faults of first
+    touching it would be timed as well; that number is recorded separately."""
     piece = 2 * 1024 * 1024
-    src = mx.random.uniform(-1, 1, (max(1, copy_mb * 1024 * 1024 // 4 // piece), piece), key=ka)
+    src = mx.random.uniform(-1, 1, (max(1, copy_mb * 1024 * 1024 // 4 // piece), piece), key=key)
     mx.eval(src)
     views = [src[i] for i in range(src.shape[0])]  # slices of a contiguous array: no copies
 
@@ -76,18 +63,34 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
         return time.perf_counter() - t0
 
     copy_all()
-    nbytes = 2 * src.nbytes
-    out["copy_bytes"] = nbytes
-    out["copy_gbs"] = stats([nbytes / copy_all() / 1e9 for _ in range(max(2, repeats))])
-    flat = src.reshape(-1)
-    out["copy_fresh_allocation_gbs"] = stats(
-        [nbytes / timed(lambda: flat + 0) / 1e9 for _ in range(2)]
-    )
+    nbytes, flat = 2 * src.nbytes, src.reshape(-1)
+    return {
+        "copy_bytes": nbytes,
+        "copy_gbs": stats([nbytes / copy_all() / 1e9 for _ in range(max(2, repeats))]),
+        "copy_fresh_allocation_gbs": stats(
+            [nbytes / timed(lambda: flat + 0) / 1e9 for _ in range(2)]
+        ),
+    }
 
-    # gemv: one row times a weight matrix far larger than the caches: the shape of decode.
+
+def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
+    """Matmul GFLOP/s (fp32, bf16, and fp16 if that is the dtype), copy and gemv GB/s."""
+    out: dict[str, Any] = {"matmul_size": size}
+    ka, kb = mx.random.split(mx.random.key(1))
+    for name, dt in DTYPES.items():
+        if name == "float16" and dt != dtype:
+            continue
+        a = mx.random.uniform(-1, 1, (size, size), key=ka).astype(dt)  # [size, size]
+        b = mx.random.uniform(-1, 1, (size, size), key=kb).astype(dt)
+        mx.eval(a, b)
+        times = sample(lambda a=a, b=b: a @ b, repeats, budget_s=5.0)
+        gflops = out[f"matmul_{name}_gflops"] = stats([2.0 * size**3 / t / 1e9 for t in times])
+        log(f"  matmul {size}x{size} {name}: {gflops['max']:.1f} GFLOP/s (best of {len(times)})")
+    out.update(copy_gbs(copy_mb, repeats, ka))
+    # gemv: one row times a weight matrix far larger than the caches: the shape of decode
     shape = (16384, 4096)
-    w = mx.random.uniform(-1, 1, shape, key=ka).astype(dtype)
-    v = mx.random.uniform(-1, 1, (1, shape[1]), key=kb).astype(dtype)
+    w = mx.random.uniform(-1, 1, shape, key=ka).astype(dtype)  # [16384, 4096]
+    v = mx.random.uniform(-1, 1, (1, shape[1]), key=kb).astype(dtype)  # [1, 4096]
     mx.eval(w, v)
     times = sample(lambda: v @ w.T, max(3, repeats), budget_s=4.0)
     out["gemv_gbs"] = stats([w.nbytes / t / 1e9 for t in times])
@@ -99,6 +102,6 @@ def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> 
     log(
         f"  copy {out['copy_gbs']['max']:.1f} GB/s (read+write, 8 MB pieces; "
         f"{out['copy_fresh_allocation_gbs']['max']:.1f} GB/s into one fresh "
-        f"{nbytes // 2 >> 20} MB array), gemv {dname} {out['gemv_gbs']['max']:.1f} GB/s"
+        f"{out['copy_bytes'] // 2 >> 20} MB array), gemv {dname} {out['gemv_gbs']['max']:.1f} GB/s"
     )
     return out

@@ -1,5 +1,5 @@
-"""The two implementations bench-model times on the same weight arrays, and the fast parts
-its ablation swaps into the course's model.
+"""The two implementations bench-model times on the same weight arrays, and the fast parts its
+ablation swaps into the course's model.
 
     RefImpl    the course's Qwen3Model and caches (tiny_llm_ref, or your tiny_llm); parts of the
                model can be replaced by others passed in (attention core, norms, RoPE)
@@ -20,6 +20,7 @@ import mlx.core as mx
 from tiny_llm_support import Checkpoint, mlx_lm_qwen3
 
 MLX_LM = "mlx-lm"
+KV = list[tuple[mx.array, mx.array]]  # per layer: keys, values [B, H_kv, S, D]
 
 
 class FastRMSNorm:
@@ -40,14 +41,8 @@ class FastRoPE:
 
     def __call__(self, x: mx.array, offset: int | list[int] = 0) -> mx.array:
         off = offset if isinstance(offset, int) else mx.array(offset)
-        y = mx.fast.rope(
-            x.swapaxes(1, 2),
-            self.dims,
-            traditional=self.traditional,
-            base=self.base,
-            scale=1.0,
-            offset=off,
-        )  # rope rotates [B, H, L, D]
+        y = mx.fast.rope(x.swapaxes(1, 2), self.dims, traditional=self.traditional,
+                         base=self.base, scale=1.0, offset=off)  # fmt: skip  # [B, H, L, D]
         return y.swapaxes(1, 2)
 
 
@@ -81,13 +76,13 @@ class SwappedAttention:
 
 
 class RefImpl:
-    """The course's model and caches, from `pkg` (tiny_llm_ref or tiny_llm).
+    """The course's model and caches, from `pkg` (tiny_llm_ref or tiny_llm). batch_cache: how a
+    decode batch of B rows is cached: "dense" (one cache of batch B per layer), "batching" (a
+    BatchingKvCache over B one-row caches) or "ragged" (B one-row caches, forward_ragged).
 
-    For the ablation, parts of the model are replaced by what is passed in:
-        attention  core(q, keys, values, mask=...) instead of the package's grouped attention
-        norm       norm(course RMSNorm) -> the norm to use instead, for every RMSNorm
-        rope       rope(course RoPE, base) -> the RoPE to use instead
-    The package's own modules are never changed.
+    For the ablation, parts of the model are replaced by what is passed in (the package's own
+    modules are never changed): attention, a core(q, keys, values, mask=...); norm(course
+    RMSNorm) -> the norm to use instead; rope(course RoPE, base) -> the RoPE to use instead.
     """
 
     def __init__(
@@ -95,86 +90,79 @@ class RefImpl:
         pkg: ModuleType,
         ckpt: Checkpoint,
         batch_cache: str,
-        attention: Callable[..., mx.array] | None = None,
-        norm: Callable[[Any], Any] | None = None,
-        rope: Callable[[Any, float], Any] | None = None,
+        attention=None,
+        norm=None,
+        rope=None,
     ):
-        self.pkg = pkg
+        self.pkg, self.batch_cache = pkg, batch_cache
         self.model = pkg.Qwen3Model(ckpt)
-        self.batch_cache = batch_cache
+        layers = self.model.layers
         if norm is not None:
-            for layer in self.model.layers:
+            for layer in layers:
                 attn = layer.self_attn
                 layer.input_layernorm = norm(layer.input_layernorm)
                 layer.post_attention_layernorm = norm(layer.post_attention_layernorm)
                 attn.q_norm, attn.k_norm = norm(attn.q_norm), norm(attn.k_norm)
             self.model.norm = norm(self.model.norm)
         if rope is not None:
-            shared = rope(self.model.layers[0].self_attn.rope, ckpt.config.rope_theta)
-            for layer in self.model.layers:
+            shared = rope(layers[0].self_attn.rope, ckpt.config.rope_theta)
+            for layer in layers:
                 layer.self_attn.rope = shared
         if attention is not None:
-            for layer in self.model.layers:
+            for layer in layers:
                 layer.self_attn = SwappedAttention(layer.self_attn, attention, pkg.linear)
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
         cache = self.model.create_kv_cache()
-        logits = self.model(tokens, 0, cache, logits_to_keep=1)  # [1, 1, V]
-        return logits, cache
+        return self.model(tokens, 0, cache, logits_to_keep=1), cache  # logits [1, 1, V]
 
-    def decode_cache(self, kv: list[tuple[mx.array, mx.array]]) -> tuple[list, int | list[int]]:
+    def decode_cache(self, kv: KV) -> tuple[list, int | list[int]]:
+        """Caches holding `kv` (the state a prefill leaves), and the offset of the next step."""
         b, s = kv[0][0].shape[0], kv[0][0].shape[2]
-        if self.batch_cache == "ragged":  # one dense cache per row, read by forward_ragged
-            rows = [self.model.create_kv_cache() for _ in range(b)]
-            for layer, (k, v) in enumerate(kv):
-                for row in range(b):
-                    rows[row][layer].update_and_fetch(k[row : row + 1], v[row : row + 1])
+        if self.batch_cache == "dense" or (self.batch_cache == "batching" and b == 1):
+            caches = self.model.create_kv_cache()
+            for c, (k, v) in zip(caches, kv):
+                c.update_and_fetch(k, v)
+            return caches, s
+        rows = [self.model.create_kv_cache() for _ in range(b)]  # [row][layer], one row each
+        for layer, (k, v) in enumerate(kv):
+            for row in range(b):
+                rows[row][layer].update_and_fetch(k[row : row + 1], v[row : row + 1])
+        if self.batch_cache == "ragged":
             return rows, [s] * b
-        if self.batch_cache == "batching" and b > 1:
-            caches = []
-            for k, v in kv:
-                layer = self.pkg.BatchingKvCache(b)
-                for row in range(b):
-                    row_cache = self.pkg.TinyKvFullCache()
-                    row_cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
-                    layer.add_request(row_cache, row)
-                caches.append(layer)
-            return caches, [s] * b
-        caches = self.model.create_kv_cache()
-        for c, (k, v) in zip(caches, kv):
-            c.update_and_fetch(k, v)  # [B, H_kv, S, D]: the state a prefill leaves
-        return caches, s
+        caches = [self.pkg.BatchingKvCache(b) for _ in kv]
+        for row, layers in enumerate(rows):
+            for layer, row_cache in zip(caches, layers):
+                layer.add_request(row_cache, row)
+        return caches, [s] * b
 
     def decode_step(self, tokens: mx.array, cache: list, offset: int | list[int]):
+        """One step of tokens [B, 1] -> logits [B, 1, V], the next offset."""
         if self.batch_cache == "ragged":  # the hybrid policy's pass: rows side by side
             segments = [self.pkg.Segment(rows, b, 1) for b, rows in enumerate(cache)]
             logits = self.pkg.forward_ragged(self.model, tokens.reshape(1, -1), segments)
-            return logits.swapaxes(0, 1), [o + 1 for o in offset]  # [B, 1, V]
-        logits = self.model(tokens, offset, cache)  # [B, 1, V]
-        nxt = offset + 1 if isinstance(offset, int) else [o + 1 for o in offset]
-        return logits, nxt
+            return logits.swapaxes(0, 1), [o + 1 for o in offset]
+        logits = self.model(tokens, offset, cache)
+        return logits, offset + 1 if isinstance(offset, int) else [o + 1 for o in offset]
 
 
 class MlxLmImpl:
-    """mlx-lm's Qwen3 holding the same weight arrays, with its own KV cache."""
+    """mlx-lm's Qwen3 holding the same weight arrays (no copy), with its own KV cache."""
 
-    def __init__(self, ckpt):
+    def __init__(self, ckpt: Checkpoint):
         from mlx_lm.models.cache import make_prompt_cache
 
-        self.model = mlx_lm_qwen3(ckpt)  # the same weight arrays, no copy
-        self._make_cache = make_prompt_cache
+        self.model, self.make_cache = mlx_lm_qwen3(ckpt), make_prompt_cache
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
-        cache = self._make_cache(self.model)
+        cache = self.make_cache(self.model)
         h = self.model.model(tokens, cache)[:, -1:, :]  # final-normed hidden state, last row
         if self.model.args.tie_word_embeddings:
-            logits = self.model.model.embed_tokens.as_linear(h)
-        else:
-            logits = self.model.lm_head(h)
-        return logits, cache
+            return self.model.model.embed_tokens.as_linear(h), cache
+        return self.model.lm_head(h), cache
 
-    def decode_cache(self, kv: list[tuple[mx.array, mx.array]]) -> tuple[list, int]:
-        caches = self._make_cache(self.model)
+    def decode_cache(self, kv: KV) -> tuple[list, int]:
+        caches = self.make_cache(self.model)
         for c, (k, v) in zip(caches, kv):
             c.update_and_fetch(k, v)
         return caches, kv[0][0].shape[2]
@@ -183,17 +171,23 @@ class MlxLmImpl:
         return self.model(tokens, cache=cache), offset + 1
 
 
+def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int) -> KV:
+    """Random keys/values [batch, H_kv, context, D] for every layer, shared by all models."""
+    key = mx.random.key(seed)
+    shape = (batch, cfg.num_key_value_heads, context, cfg.head_dim)
+    kv = []
+    for _ in range(cfg.num_hidden_layers):
+        key, k1, k2 = mx.random.split(key, 3)
+        pair = tuple(mx.random.uniform(-1, 1, shape, key=k).astype(dtype) for k in (k1, k2))
+        mx.eval(pair)
+        kv.append(pair)
+    return kv
+
+
 def cache_arrays(cache: list) -> list[mx.array]:
-    """The storage of every layer cache (dense, batching or mlx-lm), evaluated with a step."""
-    found: list[mx.array] = []
+    """The storage of every layer cache (dense, batching, ragged or mlx-lm)."""
     if cache and isinstance(cache[0], list):  # ragged: one list of layer caches per row
         return [a for rows in cache for a in cache_arrays(rows)]
-    for c in cache:
-        parts = [s for s in c.slots if s is not None] if hasattr(c, "slots") else [c]
-        for p in parts:
-            found += [
-                a
-                for a in (getattr(p, "keys", None), getattr(p, "values", None))
-                if isinstance(a, mx.array)
-            ]
-    return found
+    parts = [p for c in cache for p in (c.slots if hasattr(c, "slots") else [c]) if p is not None]
+    arrays = [getattr(p, name, None) for p in parts for name in ("keys", "values")]
+    return [a for a in arrays if isinstance(a, mx.array)]

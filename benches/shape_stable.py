@@ -1,48 +1,34 @@
 """Week 3 Day 3, shape-stable prefill: the seed's experiment on MLX.
 
-Five prompts of different lengths are served one at a time, twice over, by a compiled model
-(Qwen3Model(compiled=True): each block's token-parallel halves run through a CompileCache of
-`cap` variants) under several padding ladders:
-
-    no padding / cap 4, 8 steps / cap 4, 8 steps / cap 10, 3 steps / cap 4,
-    powers of two / cap 4, and the eager model (nothing compiled) as the baseline.
-
-Every configuration runs in a fresh process. Per forward pass: the real and the padded rows,
-the variants compiled and the cumulative evictions (summed over the layers' compiled halves);
-per prompt: latency and MLX's active, cache and peak memory after it; per configuration: the
-prefill widths compiled, the compiles of the second pass, the greedy tokens (which must equal
-the eager model's). A last section times prefill and decode for the eager model, the compiled
-model and mlx-lm on the same weights.
+Five prompts of the seed's lengths are served one at a time, twice over, by a compiled model
+(Qwen3Model(compiled=True): each block's token-parallel halves in a CompileCache of `cap`
+variants) under each padding ladder of CONFIGS, and by the eager model as the baseline; each
+configuration in a fresh process. Per forward pass: real and padded rows, compiles, evictions;
+per prompt: latency and MLX's memory after it; the greedy tokens, which must be the eager
+model's. A last run times prefill and decode: eager, compiled, and mlx-lm on the same weights.
 
     pdm run bench-shape-stable --model qwen3-0.6b --num-layers 8
+
+Writes benches/results/shape-stable-<model>-<layers>l.json: every pass and prompt in runs, and
+per configuration its widths, compiles, evictions, latency and peak memory in summary.configs.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import tempfile
 import time
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from tiny_llm_support import startup
-
-if __name__ == "__main__":
-    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
-
-# ruff: noqa: E402 (the imports below load MLX)
-import common
 import mlx.core as mx
-from common import log, median
-from trace_run import NoTextTokenizer, make_trace
 
+from benches import harness
+from benches.trace_run import NoTextTokenizer, make_trace
 from tiny_llm_support import choose_device, mlx_lm_qwen3
 from tiny_llm_support.cli import default_dtype, int_at_least, load_solution
 
-SCHEMA = "tiny-llm/bench-shape-stable/v1"
 PROMPT_LENGTHS = (104, 146, 311, 37, 1137)  # the seed's widths; 1137 = 512 + 512 + 113
 CONFIGS = {  # name: (ladder, compile cache capacity); ladder None: no padding
     "eager": ("eager", None),
@@ -52,6 +38,7 @@ CONFIGS = {  # name: (ladder, compile cache capacity); ladder None: no padding
     "3 steps, cap 4": ("steps-3", 4),
     "powers of two, cap 4": ("pow2", 4),
 }
+NO_COMPILES = {"compiles": 0, "evictions": 0}  # the eager model's compile_stats()
 
 
 def power_of_two_width(rows: int, chunk_width: int) -> int:
@@ -60,6 +47,8 @@ def power_of_two_width(rows: int, chunk_width: int) -> int:
 
 
 def ladder_of(name: str | None, api: Any):
+    """batch_generate's query_padding for a ladder's name: False (eager: never pad), None (no
+    padding), or a function of (rows, chunk width) -> padded width."""
     if name is None or name == "eager":
         return False
     if name == "pow2":
@@ -67,7 +56,7 @@ def ladder_of(name: str | None, api: Any):
     return partial(api.prefill_query_width, steps=int(name.split("-")[1]))
 
 
-# --- one configuration, in its own process ------------------------------------------------
+# --- one run, in its own process ------------------------------------------------------------
 
 
 class WidthSpy:
@@ -79,95 +68,69 @@ class WidthSpy:
     def __getattr__(self, name):
         return getattr(self.model, name)
 
-    def __call__(self, tokens, *args, **kwargs):
+    def __call__(self, tokens, *args, **kwargs):  # tokens: [1, width]
         self.width = tokens.shape[1]
         return self.model(tokens, *args, **kwargs)
 
 
-def load(spec: dict[str, Any]) -> tuple[argparse.Namespace, Any, Any]:
-    """The run's arguments, the solution package and the checkpoint (weights read)."""
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One configuration's passes and prompts, or the speeds."""
     args = argparse.Namespace(**spec["args"])
     choose_device(args.device)
-    _, ckpt = common.load_weights(spec["model"], args.dtype)
-    return args, load_solution(args.solution), ckpt
+    _, ckpt = harness.load_weights(spec["model"], args.dtype)
+    api = load_solution(args.solution)
+    if spec["config"] == "speeds":
+        return time_speeds(api, ckpt, spec["prompts"][-1][: args.chunk_width], args)
+    return serve_prompts(api, ckpt, spec["config"], spec["prompts"], args)
 
 
-def run_config(spec: dict[str, Any]) -> dict[str, Any]:
-    args, api, ckpt = load(spec)
-    ladder_name, capacity = CONFIGS[spec["config"]]
-    compiled = ladder_name != "eager"
-    kwargs = {"compiled": True, "compile_capacity": capacity} if compiled else {}
-    model = WidthSpy(api.Qwen3Model(ckpt, **kwargs))
-    ladder = ladder_of(ladder_name, api)
-    passes, prompts_out = [], []
-    stats = model.model.compile_stats if compiled else lambda: {"compiles": 0, "evictions": 0}
+def serve_prompts(api, ckpt, config: str, prompts: list[list[int]], args) -> dict[str, Any]:
+    """Every prompt through batch_generate, twice over: each pass and each prompt."""
+    ladder, capacity = CONFIGS[config]
+    compiled = {"compiled": True, "compile_capacity": capacity} if ladder != "eager" else {}
+    model = WidthSpy(api.Qwen3Model(ckpt, **compiled))
+    compile_stats = model.compile_stats if compiled else lambda: NO_COMPILES
+    passes, records, tokens, compiles = [], [], [], 0
 
-    def on_step(step):
-        if step.kind not in ("prefill", "decode"):
-            return
-        rows, width = step.tokens, model.width
-        now = stats()
-        passes.append(
-            {
-                "round": len(prompts_out) // len(spec["prompts"]),
-                "kind": step.kind,
-                "rows": rows,
-                "width": width,
-                "compiles": now["compiles"] - on_step.compiles,
+    def on_step(step) -> None:
+        nonlocal compiles
+        if step.kind == "finish":
+            tokens.append(list(step.request.generated))
+        elif step.kind in ("prefill", "decode"):
+            now = compile_stats()
+            passes.append({
+                "round": len(records) // len(prompts), "kind": step.kind, "rows": step.tokens,
+                "width": model.width, "compiles": now["compiles"] - compiles,
                 "evictions": now["evictions"],
-            }
-        )
-        on_step.compiles = now["compiles"]
+            })  # fmt: skip
+            compiles = now["compiles"]
 
-    on_step.compiles = 0
     mx.reset_peak_memory()
     for round_ in range(2):
-        for prompt in spec["prompts"]:
+        for prompt in prompts:
             t = time.perf_counter()
-            out = []
             api.batch_generate(
                 model, NoTextTokenizer(), [prompt], max_seq_len=model.max_seq_len, batch_size=1,
                 prefill_step=args.chunk_width, max_new_tokens=args.new_tokens, ignore_eos=True,
-                query_padding=ladder, on_step=lambda s, out=out: (on_step(s), out.append(s)),
+                query_padding=ladder_of(ladder, api), on_step=on_step,
             )  # fmt: skip
-            tokens = next(s.request.generated for s in out if s.kind == "finish")
-            prompts_out.append(
-                {
-                    "round": round_,
-                    "prompt_tokens": len(prompt),
-                    "latency_s": time.perf_counter() - t,
-                    "tokens": list(tokens),
-                    "active_bytes": mx.get_active_memory(),
-                    "cache_bytes": mx.get_cache_memory(),
-                    "peak_bytes": mx.get_peak_memory(),
-                }
-            )
-    second = [p for p in passes if p["round"] == 1]
-    return {
-        "config": spec["config"],
-        "ladder": ladder_name,
-        "capacity": capacity,
-        "passes": passes,
-        "prompts": prompts_out,
-        "prefill_widths": sorted({p["width"] for p in passes if p["kind"] == "prefill"}),
-        "compiles": sum(p["compiles"] for p in passes),
-        "second_pass_compiles": sum(p["compiles"] for p in second),
-        "evictions": passes[-1]["evictions"] if passes else 0,
-        "latency_s_by_round": [
-            sum(p["latency_s"] for p in prompts_out if p["round"] == r) for r in (0, 1)
-        ],
-        "peak_bytes": max(p["peak_bytes"] for p in prompts_out),
-    }
+            records.append({
+                "round": round_, "prompt_tokens": len(prompt),
+                "latency_s": time.perf_counter() - t, "tokens": tokens[-1],
+                "active_bytes": mx.get_active_memory(), "cache_bytes": mx.get_cache_memory(),
+                "peak_bytes": mx.get_peak_memory(),
+            })  # fmt: skip
+    return {"config": config, "ladder": ladder, "capacity": capacity, "passes": passes,
+            "prompts": records}  # fmt: skip
 
 
-def run_speeds(spec: dict[str, Any]) -> dict[str, Any]:
-    """Prefill of one chunk-wide prompt and decode steps after it: eager, compiled, mlx-lm."""
+def time_speeds(api, ckpt, tokens: list[int], args) -> dict[str, Any]:
+    """Prefill of one chunk-wide prompt, and decode steps after it: the eager model, the
+    compiled one and mlx-lm, in alternating order after a first round that warms up."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    args, api, ckpt = load(spec)
-    prompt = mx.array([spec["prompts"][-1][: args.chunk_width]])
-    length = prompt.shape[1]
-    seq_len = length + args.decode_steps + 1
+    prompt = mx.array([tokens])  # [1, L]
+    seq_len = len(tokens) + args.decode_steps + 1
 
     def ours(model):
         def prefill():
@@ -175,24 +138,17 @@ def run_speeds(spec: dict[str, Any]) -> dict[str, Any]:
             mx.eval(model(prompt, 0, cache, logits_to_keep=1))
             return cache
 
-        def decode(cache):
-            logits = model(prompt[:, -1:], cache[0].offset, cache)
-            mx.eval(logits)
-
-        return prefill, decode
+        return prefill, lambda cache: mx.eval(model(prompt[:, -1:], cache[0].offset, cache))
 
     def theirs(model):
         def prefill():  # the last row through the head only, as logits_to_keep=1 does for ours
             cache = make_prompt_cache(model)
-            h = model.model(prompt, cache)[:, -1:, :]
+            h = model.model(prompt, cache)[:, -1:, :]  # [1, 1, D]
             head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else None
             mx.eval(head(h) if head else model.lm_head(h))
             return cache
 
-        def decode(cache):
-            mx.eval(model(prompt[:, -1:], cache=cache))
-
-        return prefill, decode
+        return prefill, lambda cache: mx.eval(model(prompt[:, -1:], cache=cache))
 
     impls = {
         "eager": ours(api.Qwen3Model(ckpt, max_seq_len=seq_len)),
@@ -205,8 +161,7 @@ def run_speeds(spec: dict[str, Any]) -> dict[str, Any]:
             prefill, decode = impls[name]
             t = time.perf_counter()
             cache = prefill()
-            prefill_s = time.perf_counter() - t
-            steps = []
+            prefill_s, steps = time.perf_counter() - t, []
             for _ in range(args.decode_steps):
                 t = time.perf_counter()
                 decode(cache)
@@ -214,126 +169,118 @@ def run_speeds(spec: dict[str, Any]) -> dict[str, Any]:
             if repeat:
                 times[name]["prefill_s"].append(prefill_s)
                 times[name]["decode_ms"] += steps
-    return {
-        "prompt_tokens": length,
-        "decode_steps": args.decode_steps,
-        "impls": {
-            name: {
-                "prefill_tokens_per_s": length / median(t["prefill_s"]),
-                "prefill_s_median": median(t["prefill_s"]),
-                "decode_ms_median": median(t["decode_ms"]),
-            }
-            for name, t in times.items()
-        },
-    }
+    return {"config": "speeds", "prompt_tokens": len(tokens), "decode_steps": args.decode_steps,
+            "times": times}  # fmt: skip
 
 
-# --- the parent ----------------------------------------------------------------------------
+# --- the parent -----------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = common.bench_parser(
+    p = harness.bench_parser(
         "bench-shape-stable",
         "Compiles, evictions and memory of a compiled model under padding ladders.",
     )
-    common.add_model_arguments(p, default_model="tiny")
+    harness.add_model_arguments(p, default_model="tiny")
     b = p.add_argument_group("the experiment")
+    # fmt: off
     b.add_argument("--chunk-width", type=int_at_least(1), default=512, help="prefill chunk (W)")
     b.add_argument("--seed", type=int_at_least(0), default=0, help="random weights")
     b.add_argument("--new-tokens", type=int_at_least(1), default=8, help="decoded per prompt")
-    b.add_argument(
-        "--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS), metavar="NAME"
-    )
+    b.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS),
+                   metavar="NAME")
     b.add_argument("--decode-steps", type=int_at_least(1), default=16, help="timed decode steps")
     b.add_argument("--repeats", type=int_at_least(1), default=3, help="timed rounds of speeds")
     b.add_argument("--no-speeds", action="store_true", help="skip the speed comparison")
-    common.add_output_arguments(b, "shape-stable-<model>-<layers>l.json")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    # fmt: on
+    harness.add_output_arguments(b, "shape-stable-<model>-<layers>l.json")
     return p
-
-
-def child(spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    result = run_speeds(spec) if spec["config"] == "speeds" else run_config(spec)
-    common.write_json(spec["output"], result)
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.child:
-        return child(args.child)
     args.dtype = args.dtype or default_dtype("cpu")  # float32 unless --dtype, whatever --device
-    model = common.bench_model_from_args(parser, args)
-    if args.json_output is None:
-        args.json_output = common.RESULTS / f"shape-stable-{model.name}-{model.num_layers}l.json"
-    common.check_outputs(parser, args.json_output)
+    model = harness.bench_model_from_args(parser, args)
+    name = f"shape-stable-{harness.model_slug(model)}-{model.num_layers}l.json"
+    harness.set_output_paths(parser, args, harness.RESULTS / name)
     started = time.time()
-    lengths = [min(n, int(model.config["max_position_embeddings"]) - 64) for n in PROMPT_LENGTHS]
-    rng_prompts = [
-        make_trace(i, 1, (n, n), (1, 1), model.token_ids, model.excluded_ids).prompts[0]
-        for i, n in enumerate(lengths)
-    ]
-    env, _ = common.runs_environment(args.no_openblas)
-    results, speeds = [], None
+    limit = int(model.config["max_position_embeddings"]) - 64
+    lengths = [min(n, limit) for n in PROMPT_LENGTHS]
+    ids = (model.token_ids, model.excluded_ids)
+    prompts = [make_trace(i, 1, (n, n), (1, 1), *ids).prompts[0] for i, n in enumerate(lengths)]
+    env, _ = harness.runs_environment(args.no_openblas)
+    shared = {"args": harness.arguments_json(args), "solution": args.solution,
+              "model": model.to_dict(), "prompts": prompts}  # fmt: skip
+    configs = [*args.configs, *([] if args.no_speeds else ["speeds"])]
     with tempfile.TemporaryDirectory(prefix="bench-shape-stable-") as tmp:
-        if model.random_weights:
-            model.materialize(Path(tmp) / "weights", args.dtype)
-        jobs = list(args.configs) + ([] if args.no_speeds else ["speeds"])
-        for k, config in enumerate(jobs):
-            spec = {
-                "args": common.arguments_json(args),
-                "model": model.to_dict(),
-                "prompts": rng_prompts,
-                "config": config,
-                "output": str(Path(tmp) / f"out-{k}.json"),
-            }
-            spec_path = Path(tmp) / f"spec-{k}.json"
-            spec_path.write_text(json.dumps(spec))
-            t = time.perf_counter()
-            status = common.run_in_own_session(
-                [sys.executable, str(Path(__file__).resolve()), "--child", str(spec_path)], env=env
-            )
-            if status:
-                raise SystemExit(f"{config} failed with exit status {status}")
-            out = json.loads(Path(spec["output"]).read_text())
-            log(f"[{k + 1}/{len(jobs)}] {config}: {time.perf_counter() - t:.1f} s")
-            if config == "speeds":
-                speeds = out
-            else:
-                results.append(out)
-        description = model.describe()
-    eager = next((r for r in results if r["ladder"] == "eager"), None)
-    for r in results:
-        r["tokens_equal_eager"] = eager is not None and [p["tokens"] for p in r["prompts"]] == [
-            p["tokens"] for p in eager["prompts"]
-        ]
-    report = {
-        **common.report_start(SCHEMA, started, common.arguments_json(args), argv),
-        "model": description,
-        "prompt_lengths": lengths,
-        "configs": {r["config"]: r for r in results},
-        "speeds": speeds,
-    }
-    common.write_json(args.json_output, report)
-    log(f"wrote {args.json_output}")
-    for r in results:
-        log(
-            f"{r['config']:>22}: widths {r['prefill_widths']}, compiles {r['compiles']}, "
-            f"second pass {r['second_pass_compiles']}, evictions {r['evictions']}, "
-            f"latency {r['latency_s_by_round'][0]:.1f} / {r['latency_s_by_round'][1]:.1f} s, "
-            f"peak {r['peak_bytes'] / 2**20:.0f} MiB, tokens equal: {r['tokens_equal_eager']}"
-        )
-    if speeds:
-        log(f"speeds at a {speeds['prompt_tokens']}-token prompt (medians):")
-        for name, s in speeds["impls"].items():
-            log(
-                f"{name:>22}: prefill {s['prefill_tokens_per_s']:.0f} tokens/s "
-                f"({s['prefill_s_median']:.2f} s), decode {s['decode_ms_median']:.1f} ms/step"
-            )
+        harness.write_random_weights(model, Path(tmp), args.dtype)
+        specs = [{**shared, "config": config} for config in configs]
+        line = lambda run: f"{run['config']}: {run['process_s']:.1f} s"
+        runs = harness.run_plan(__name__, specs, Path(tmp), env, lambda s: s["config"], line)
+    settings = {"arguments": harness.arguments_json(args), "model": model.describe(),
+                "prompt_lengths": lengths}  # fmt: skip
+    report = harness.report("shape-stable", started, settings, runs, summary_of(runs))
+    harness.write_report(args, report, summary_table)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(startup.run(main))
+def summary_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per configuration: the prefill widths it ran, its compiles (all, and on the second
+    pass over the prompts), evictions, latency per round, peak memory, and whether it gave
+    the eager model's tokens; and the speeds' medians."""
+    served = [run for run in runs if run["config"] != "speeds"]
+    eager = next((run for run in served if run["ladder"] == "eager"), None)
+    tokens = lambda run: [p["tokens"] for p in run["prompts"]]
+    configs = {}
+    for run in served:
+        passes, prompts = run["passes"], run["prompts"]
+        configs[run["config"]] = {
+            "prefill_widths": sorted({p["width"] for p in passes if p["kind"] == "prefill"}),
+            "compiles": sum(p["compiles"] for p in passes),
+            "second_pass_compiles": sum(p["compiles"] for p in passes if p["round"] == 1),
+            "evictions": passes[-1]["evictions"] if passes else 0,
+            "latency_s_by_round": [
+                sum(p["latency_s"] for p in prompts if p["round"] == r) for r in (0, 1)
+            ],
+            "peak_bytes": max(p["peak_bytes"] for p in prompts),
+            "tokens_equal_eager": eager is not None and tokens(run) == tokens(eager),
+        }
+    speeds = next((run for run in runs if run["config"] == "speeds"), None)
+    return {"configs": configs, "speeds": speeds and speed_medians(speeds)}
+
+
+def speed_medians(run: dict[str, Any]) -> dict[str, Any]:
+    median, length = harness.median, run["prompt_tokens"]
+    impls = {
+        name: {
+            "prefill_tokens_per_s": length / median(t["prefill_s"]),
+            "prefill_s_median": median(t["prefill_s"]),
+            "decode_ms_median": median(t["decode_ms"]),
+        }
+        for name, t in run["times"].items()
+    }
+    return {"prompt_tokens": length, "decode_steps": run["decode_steps"], "impls": impls}
+
+
+def summary_table(report: dict[str, Any]) -> str:
+    configs, speeds = report["summary"]["configs"], report["summary"]["speeds"]
+    head = ["config", "prefill widths", "compiles", "2nd pass", "evictions", "latency s",
+            "peak MiB", "eager's tokens"]  # fmt: skip
+    rows = [
+        [name, str(c["prefill_widths"]), str(c["compiles"]), str(c["second_pass_compiles"]),
+         str(c["evictions"]), " / ".join(f"{s:.1f}" for s in c["latency_s_by_round"]),
+         f"{c['peak_bytes'] / 2**20:.0f}", "yes" if c["tokens_equal_eager"] else "no"]
+        for name, c in configs.items()
+    ]  # fmt: skip
+    text = harness.table(head, rows, "per configuration (latency: first / second round)")
+    if speeds:
+        head = ["model", "prefill tok/s", "prefill s", "decode ms/step"]
+        rows = [
+            [name, f"{s['prefill_tokens_per_s']:.0f}", f"{s['prefill_s_median']:.2f}",
+             f"{s['decode_ms_median']:.1f}"]
+            for name, s in speeds["impls"].items()
+        ]  # fmt: skip
+        title = f"speeds at a {speeds['prompt_tokens']}-token prompt (medians)"
+        text += "\n" + harness.table(head, rows, title)
+    return text

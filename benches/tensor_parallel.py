@@ -1,130 +1,111 @@
-"""Tensor parallelism (Week 4 Day 2) on one machine: one rank against several.
+"""Week 4 Day 2: tensor parallelism on one machine, one rank against several.
 
-For every rank count in --ranks, fresh processes build the same model with random weights (the
-Qwen3-0.6B shape by default: same FLOPs and bytes as the real model, no download), shard it
-over the ranks (N = 1: one plain process, no sharding; N > 1: N processes started by
-mlx.launch, ring backend over 127.0.0.1) and measure, on every rank:
-
-- memory: MLX's active memory once the model is built and the full weights are dropped (the
-  weights this rank holds), the KV cache after the decode run, and the peak of the runs;
-- prefill: one forward pass of --prefill-len tokens on an empty cache (median of --repeats,
-  after one warm-up pass);
-- decode: batch 1, one token per step after a --context-token prefill (median of
-  --decode-steps steps, after two warm-up steps);
-- all_sum: one all-reduce of a decode-sized [1, E] and a prefill-sized [prefill-len, E]
-  message (median of 20, after a warm-up), where N > 1.
-
-The arithmetic is written beside the measurements: two all-reduces per block, each of
-hidden_size values per token, so 2 x layers x hidden_size x bytes-per-value per token.
+For every count in --ranks, fresh processes (1: a plain process; N: N ranks under mlx.launch,
+ring backend over 127.0.0.1) build the model (default: Qwen3-0.6B's shape, random weights),
+shard it over the ranks and measure on every rank: the memory it holds (weights, KV cache,
+peak); a prefill of --prefill-len tokens (median of --repeats after a warm-up); decode steps
+at batch 1 after a --context-token prefill (median, after two warm-up steps); and, on N > 1
+ranks, one all_sum of a decode-sized [1, E] and a prefill-sized [prefill-len, E] message.
+Beside them, the arithmetic: two all-reduces of hidden_size values per token and block.
 
     pdm run bench-tensor-parallel                       # 0.6B shape, 1 and 2 ranks
     pdm run bench-tensor-parallel --num-layers 2 --prefill-len 32 --context 32 \\
         --decode-steps 4 --repeats 1                    # a smoke run, under a minute
 
-Writes benches/results/tensor-parallel-<model>[-<n>layers].json (or --json-output).
+Writes benches/results/tensor-parallel-<model>[-<N>layers].json and prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
-import platform
-import statistics
-import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from tiny_llm_support import startup
-
-if __name__ == "__main__":
-    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
-
-# ruff: noqa: E402 (the imports below load MLX)
 import mlx.core as mx
-from ceilings import timed
-from common import (
-    EMBEDDED_CONFIGS,
-    RESULTS,
-    BenchModel,
-    add_output_arguments,
-    bench_parser,
-    check_outputs,
-    replace_file,
-    resolve_bench_model,
-    run_in_own_session,
-)
 
-from tiny_llm_support import Qwen3Config, blas_info
-from tiny_llm_support.cli import DTYPES, add_solution_argument, int_at_least, load_solution
-from tiny_llm_support.launch import group_problem, launch
+from benches import harness
+from benches.ceilings import timed
+from tiny_llm_support import choose_device, launch
+from tiny_llm_support.cli import DTYPES, int_at_least, load_solution
 
 ALL_SUM_REPEATS = 20
+RANKS_TIMEOUT_S = 3600
 
 
-# --- the model -----------------------------------------------------------------------------
-
-
-def bench_model(args: argparse.Namespace) -> BenchModel:
-    """The model's shape (an embedded config: no download), random weights, --num-layers."""
-    return resolve_bench_model(args.model, random=True, num_layers=args.num_layers)
+def run_ranks(module: str, tmp: Path, k: int, total: int, spec: dict, what: str) -> list[dict]:
+    """Run k of a plan as spec["ranks"] fresh processes: 1 rank as a plain one (run_fresh),
+    more under mlx.launch, every rank running `python -m benches NAME --child-spec FILE` and
+    writing its record where spec["output"] says with {rank} filled in (its measure() does
+    it). Every rank's record, in rank order."""
+    if spec["ranks"] == 1:
+        return [harness.run_fresh(module, tmp, k, total, dict(os.environ), spec, what)]
+    spec_path, output = tmp / f"run-{k}.json", str(tmp / f"result-{k}-rank{{rank}}.json")
+    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": output}))
+    command = harness.bench_command(module, "--child-spec", str(spec_path))[1:]
+    start = time.perf_counter()
+    failure = launch.run_ranks(command, spec["ranks"], timeout=RANKS_TIMEOUT_S)
+    if failure:
+        raise SystemExit(f"error: run {k + 1}/{total} ({what}): {failure}")
+    process_s = time.perf_counter() - start
+    records = [json.loads(Path(output.format(rank=r)).read_text()) for r in range(spec["ranks"])]
+    return [{**r, "process_s": process_s} for r in records]
 
 
 # --- one rank ------------------------------------------------------------------------------
 
 
-def median_ms(times: list[float]) -> float:
-    return statistics.median(times) * 1000
-
-
-def measure_prefill(model, args: argparse.Namespace, tokens: mx.array) -> list[float]:
-    """Seconds of each prefill pass of --prefill-len tokens on a fresh cache (warm-up dropped)."""
+def measure_prefill(model, tokens: mx.array, repeats: int) -> list[float]:
+    """Seconds of each prefill of tokens [1, T] on a fresh cache, after a warm-up."""
     times = []
-    for _ in range(args.repeats + 1):
+    for _ in range(repeats + 1):
         cache = model.create_kv_cache()
-        times.append(timed(lambda cache=cache: model(tokens, 0, cache, logits_to_keep=1)))
+        times.append(timed(lambda c=cache: model(tokens, 0, c, logits_to_keep=1)))
         for layer_cache in cache:
             layer_cache.release()
     return times[1:]
 
 
-def measure_decode(model, args: argparse.Namespace, context: mx.array) -> tuple[list[float], int]:
-    """Seconds of each decode step after a --context-token prefill (two warm-up steps dropped),
-    and the bytes of the KV cache at the end."""
+def measure_decode(model, context: mx.array, steps: int) -> tuple[list[float], int]:
+    """Seconds of each greedy decode step after a prefill of context [1, T], after two warm-up
+    steps; and the bytes of the KV cache at the end (the dense buffers' capacity)."""
     cache = model.create_kv_cache()
-    logits = model(context, 0, cache, logits_to_keep=1)
+    logits = model(context, 0, cache, logits_to_keep=1)  # [1, 1, V]
     offset, times = context.shape[1], []
-    for _ in range(args.decode_steps + 2):
+    for _ in range(steps + 2):
         token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]  # [1, 1]
         start = time.perf_counter()
         logits = model(token, offset, cache)
         mx.eval(logits)
         times.append(time.perf_counter() - start)
         offset += 1
-    kv_bytes = sum(c.keys.nbytes + c.values.nbytes for c in cache)  # dense buffers, capacity
-    return times[2:], kv_bytes
+    return times[2:], sum(c.keys.nbytes + c.values.nbytes for c in cache)
 
 
-def measure_all_sum(group, shape: tuple[int, int], dtype: mx.Dtype) -> float:
-    """Median milliseconds of one all_sum of an array of `shape` over the group."""
+def all_sum_ms(group, shape: tuple[int, int], dtype: mx.Dtype) -> float:
+    """Median ms of one all_sum of an array of `shape` over the group, after a warm-up."""
     x = mx.ones(shape, dtype=dtype)
     times = [
         timed(lambda: mx.distributed.all_sum(x, group=group)) for _ in range(ALL_SUM_REPEATS + 1)
     ]
-    return median_ms(times[1:])
+    return harness.median(times[1:]) * 1000
 
 
-def worker(args: argparse.Namespace) -> int:
-    """One rank's measurements, written to --out-dir/rank<r>.json."""
-    group = mx.distributed.init(strict=True, backend="ring") if args.worker_ranks > 1 else None
+def measure(spec: dict[str, Any]) -> dict[str, Any]:
+    """One rank (`python -m benches tensor-parallel --child-spec FILE`): its memory and times."""
+    s, ranks = spec["settings"], spec["ranks"]
+    group = mx.distributed.init(strict=True, backend="ring") if ranks > 1 else None
     rank = group.rank() if group is not None else 0
-    api = load_solution(args.solution)
-    shape = bench_model(args)
-    config = shape.qwen3_config
-    max_seq_len = max(args.prefill_len, args.context + args.decode_steps + 2)
-    ckpt = shape.load(args.dtype)  # the same random weights on every rank
+    spec["output"] = spec["output"].format(rank=rank)  # where child_main writes: a file a rank
+    choose_device(s["device"])
+    api = load_solution(s["solution"])
+    bench_model = harness.BenchModel.from_dict(spec["model"])
+    ckpt = bench_model.load(s["dtype"])  # the same random weights on every rank
+    max_seq_len = max(s["prefill_len"], s["context"] + s["decode_steps"] + 2)
     model = api.Qwen3Model(ckpt, max_seq_len=max_seq_len)
     if group is not None:
         model.shard(group)
@@ -133,168 +114,115 @@ def worker(args: argparse.Namespace) -> int:
     mx.clear_cache()
     weights_bytes = mx.get_active_memory()  # what this rank holds: its share and the replicas
     mx.reset_peak_memory()
-
-    high = shape.token_ids[1]  # Qwen3's control tokens start here: prompts avoid them
-    ids = mx.random.randint(0, high, (1, args.prefill_len), key=mx.random.key(1))
-    prefill = measure_prefill(model, args, ids)
-    context = mx.random.randint(0, high, (1, args.context), key=mx.random.key(2))
-    decode, kv_bytes = measure_decode(model, args, context)
-    result = {
+    high = bench_model.token_ids[1]  # Qwen3's control tokens start here: prompts avoid them
+    ids = mx.random.randint(0, high, (1, s["prefill_len"]), key=mx.random.key(1))
+    prefill = measure_prefill(model, ids, s["repeats"])
+    context = mx.random.randint(0, high, (1, s["context"]), key=mx.random.key(2))
+    decode, kv_bytes = measure_decode(model, context, s["decode_steps"])
+    record = {
         "rank": rank,
-        "ranks": args.worker_ranks,
+        "ranks": ranks,
         "weights_bytes": weights_bytes,
         "kv_cache_bytes": kv_bytes,
         "peak_bytes": mx.get_peak_memory(),
         "prefill_s": prefill,
-        "prefill_ms_median": median_ms(prefill),
+        "prefill_ms_median": harness.median(prefill) * 1000,
         "decode_step_s": decode,
-        "decode_step_ms_median": median_ms(decode),
+        "decode_step_ms_median": harness.median(decode) * 1000,
     }
     if group is not None:
-        e = config.hidden_size
-        dtype = DTYPES[args.dtype]
-        result["all_sum_ms_decode_message"] = measure_all_sum(group, (1, e), dtype)
-        result["all_sum_ms_prefill_message"] = measure_all_sum(group, (args.prefill_len, e), dtype)
-    Path(args.out_dir, f"rank{rank}.json").write_text(json.dumps(result))
-    return 0
+        e, dtype = bench_model.qwen3_config.hidden_size, DTYPES[s["dtype"]]
+        record["all_sum_ms_decode_message"] = all_sum_ms(group, (1, e), dtype)
+        record["all_sum_ms_prefill_message"] = all_sum_ms(group, (s["prefill_len"], e), dtype)
+    return record
 
 
 # --- the parent ----------------------------------------------------------------------------
 
 
-def run_ranks(args: argparse.Namespace, ranks: int, argv: list[str]) -> list[dict]:
-    """Run the worker as `ranks` fresh processes; every rank's JSON, rank order."""
-    with tempfile.TemporaryDirectory() as tmp:
-        command = [str(Path(__file__).resolve()), *argv, "--worker-ranks", str(ranks)]
-        command += ["--out-dir", tmp]
-        if ranks == 1:  # a session of its own, as the ranks: Ctrl-C reaches this process alone
-            status = run_in_own_session([sys.executable, *command])
-        else:
-            status = launch(command, ranks)
-        found = [Path(tmp, f"rank{r}.json") for r in range(ranks)]
-        if status != 0 or not all(p.is_file() for p in found):
-            raise RuntimeError(f"the run with {ranks} ranks failed (exit status {status})")
-        return [json.loads(p.read_text()) for p in found]
-
-
-def communication(config: Qwen3Config, dtype: mx.Dtype, ranks: int) -> dict:
-    """What the two all-reduces per block move for one token (arithmetic, not measured); one
-    rank reduces nothing."""
-    sharded = ranks > 1
-    per_token = 2 * config.num_hidden_layers * config.hidden_size * dtype.size * sharded
-    return {
-        "all_reduces_per_forward_pass": 2 * config.num_hidden_layers * sharded,
-        "bytes_all_reduced_per_token": per_token,
-        # a ring all-reduce sends (and receives) 2 (N - 1) / N of the message on every rank
-        "bytes_sent_per_rank_per_token": per_token * 2 * (ranks - 1) / ranks,
-    }
-
-
-def summary(args: argparse.Namespace, config: Qwen3Config, runs: dict[int, list[dict]]) -> dict:
-    dtype = DTYPES[args.dtype]
-    rows = {}
-    for ranks, per_rank in runs.items():
-        first = per_rank[0]  # every rank waits for the others in each all_sum: rank 0 stands
-        rows[str(ranks)] = {
+def by_ranks(settings: dict, config, runs: list[dict]) -> dict[str, dict]:
+    """Per rank count: rank 0's medians (every rank waits for the others in each all_sum), each
+    rank's memory, and what the two all-reduces per block move per token (arithmetic)."""
+    rows, size = {}, DTYPES[settings["dtype"]].size
+    for n in dict.fromkeys(r["ranks"] for r in runs):
+        per_rank = [r for r in runs if r["ranks"] == n]
+        first = per_rank[0]
+        per_token = 2 * config.num_hidden_layers * config.hidden_size * size * (n > 1)  # 1: none
+        rows[str(n)] = {
             "prefill_ms": first["prefill_ms_median"],
-            "prefill_tokens_per_s": args.prefill_len / first["prefill_ms_median"] * 1000,
+            "prefill_tokens_per_s": settings["prefill_len"] / first["prefill_ms_median"] * 1000,
             "decode_step_ms": first["decode_step_ms_median"],
             "weights_mib_per_rank": [r["weights_bytes"] / 2**20 for r in per_rank],
             "kv_cache_mib_per_rank": [r["kv_cache_bytes"] / 2**20 for r in per_rank],
             "peak_mib_per_rank": [r["peak_bytes"] / 2**20 for r in per_rank],
             "all_sum_ms_decode_message": first.get("all_sum_ms_decode_message"),
             "all_sum_ms_prefill_message": first.get("all_sum_ms_prefill_message"),
-            **communication(config, dtype, ranks),
+            "all_reduces_per_forward_pass": 2 * config.num_hidden_layers * (n > 1),
+            "bytes_all_reduced_per_token": per_token,
+            # a ring all-reduce sends (and receives) 2 (N - 1) / N of the message on every rank
+            "bytes_sent_per_rank_per_token": per_token * 2 * (n - 1) / n,
         }
     return rows
 
 
-def machine() -> dict:
-    uname = platform.uname()
-    return {
-        "platform": platform.platform(),
-        "machine": uname.machine,
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "mlx": mx.__version__,
-        "blas": blas_info()["blas"],
-    }
+def summary_table(report: dict[str, Any]) -> str:
+    def mib(values: list[float]) -> str:
+        return " ".join(f"{v:,.0f}" for v in values)
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = [(n, f"{r['prefill_ms']:,.0f}", f"{r['decode_step_ms']:.1f}",
+             mib(r["weights_mib_per_rank"]), mib(r["kv_cache_mib_per_rank"]),
+             mib(r["peak_mib_per_rank"]), ms(r["all_sum_ms_decode_message"]),
+             ms(r["all_sum_ms_prefill_message"]), f"{r['bytes_all_reduced_per_token']:,}")
+            for n, r in report["summary"]["by_ranks"].items()]  # fmt: skip
+    head = ("ranks", "prefill ms", "decode ms", "weights MiB/rank", "KV MiB/rank",
+            "peak MiB/rank", "all_sum [1, E] ms", "all_sum [T, E] ms", "all-reduced B/token")  # fmt: skip
+    return harness.table(head, rows, "tensor parallelism (times: rank 0's medians)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    positive = int_at_least(1)
-    p = bench_parser(
-        "bench-tensor-parallel", "Tensor parallelism on one machine: 1 rank against N ranks."
-    )
-    p.add_argument(
-        "--model", choices=sorted(EMBEDDED_CONFIGS), default="qwen3-0.6b", help="model shape"
-    )
-    p.add_argument("--num-layers", type=positive, default=None, help="keep fewer layers")
-    p.add_argument("--ranks", type=positive, nargs="+", default=[1, 2])
-    add_solution_argument(p)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
-    p.add_argument("--prefill-len", type=positive, default=512)
-    p.add_argument("--context", type=positive, default=512, help="tokens cached before decode")
-    p.add_argument("--decode-steps", type=positive, default=32)
-    p.add_argument("--repeats", type=positive, default=3, help="prefill passes measured")
-    add_output_arguments(p, "tensor-parallel-<model>[-<n>layers].json")
-    p.add_argument("--worker-ranks", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--out-dir", default=None, help=argparse.SUPPRESS)
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.worker_ranks is not None:
-        return worker(args)
-    config = bench_model(args).qwen3_config
+def main(argv: Sequence[str] | None = None) -> int:
+    p = harness.bench_parser("bench-tensor-parallel", "Tensor parallelism: 1 rank against N.")
+    harness.add_model_arguments(p, "qwen3-0.6b")
+    p.set_defaults(seed=0)  # the random weights' seed
+    r = p.add_argument_group("runs")
+    r.add_argument("--ranks", type=int_at_least(1), nargs="+", default=[1, 2])
+    r.add_argument("--prefill-len", type=int_at_least(1), default=512)
+    r.add_argument("--context", type=int_at_least(1), default=512, help="tokens before decode")
+    r.add_argument("--decode-steps", type=int_at_least(1), default=32)
+    r.add_argument("--repeats", type=int_at_least(1), default=3, help="prefill passes measured")
+    harness.add_output_arguments(r, "tensor-parallel-<model>[-<N>layers].json")
+    args = p.parse_args(argv)
+    model = harness.bench_model_from_args(p, args)
+    config = model.qwen3_config
     longest = max(args.prefill_len, args.context + args.decode_steps + 2)
     if longest > config.max_position_embeddings:
-        sys.exit(
-            f"error: {longest} positions (--prefill-len, or --context + --decode-steps) exceed "
-            f"the model's max_position_embeddings ({config.max_position_embeddings})"
-        )
+        p.error(f"{longest} positions (--prefill-len, or --context + --decode-steps) exceed "
+                f"the model's max_position_embeddings ({config.max_position_embeddings})")  # fmt: skip
     for ranks in args.ranks:
-        problem = group_problem(config, ranks)
-        if problem:
-            parser.error(f"--ranks {ranks}: {problem}")
-    layers = "" if args.num_layers is None else f"-{config.num_hidden_layers}layers"
-    out = args.json_output or RESULTS / f"tensor-parallel-{args.model}{layers}.json"
-    check_outputs(parser, out)
+        if problem := launch.group_problem(config, ranks):
+            p.error(f"--ranks {ranks}: {problem}")
+    layers = "" if model.num_layers == model.original_num_layers else f"-{model.num_layers}layers"
+    name = f"tensor-parallel-{harness.model_slug(model)}{layers}.json"
+    harness.set_output_paths(p, args, harness.RESULTS / name)
+
     started = time.time()
-    runs = {}
-    for ranks in args.ranks:
-        print(f"{ranks} rank(s) ...", flush=True)
-        runs[ranks] = run_ranks(args, ranks, argv)
-    rows = summary(args, config, runs)
-    for ranks, row in rows.items():
-        print(
-            f"{ranks} rank(s): prefill {args.prefill_len} tokens {row['prefill_ms']:.1f} ms, "
-            f"decode step {row['decode_step_ms']:.1f} ms, weights per rank "
-            f"{', '.join(f'{m:.0f}' for m in row['weights_mib_per_rank'])} MiB"
-            + (
-                f", all-reduced per token {row['bytes_all_reduced_per_token']} bytes"
-                if ranks > 1
-                else ""
-            )
-        )
-    record = {
-        "benchmark": "tensor-parallel",
-        "arguments": {k: v for k, v in vars(args).items() if k not in ("worker_ranks", "out_dir")},
-        "model": {"shape": args.model, "num_layers": config.num_hidden_layers},
-        "machine": machine(),
-        "seconds": round(time.time() - started, 1),
-        "by_ranks": rows,
-        "runs": {str(k): v for k, v in runs.items()},
-    }
-    replace_file(out, json.dumps(record, indent=1, default=str) + "\n")
-    print(f"wrote {out}")
+    harness.log_model(model, args)
+    settings = {**harness.arguments_json(args, ["json_output"]),
+                "device": harness.device_name(args.device)}  # fmt: skip
+    runs = []
+    with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
+        with harness.Progress(len(args.ranks)) as progress:
+            for k, n in enumerate(args.ranks):
+                what = f"{n} rank(s)"
+                progress.start(what)
+                spec = {"model": model.to_dict(), "settings": settings, "ranks": n,
+                        "solution": args.solution}  # fmt: skip
+                runs += run_ranks(__name__, Path(tmp), k, len(args.ranks), spec, what)
+                progress.done(f"{what}: decode step {runs[-n]['decode_step_ms_median']:.1f} ms")
+    summary = {"by_ranks": by_ranks(settings, config, runs)}
+    report = harness.report("tensor-parallel", started, {**settings, "model": model.describe()},
+                            runs, summary)  # fmt: skip
+    harness.write_report(args, report, summary_table, seconds=report["host"]["duration_s"])
     return 0
-
-
-if __name__ == "__main__":
-    from tiny_llm_support.cli import run_script
-
-    run_script(main)  # with OpenBLAS preloaded where it helps: the ranks inherit it

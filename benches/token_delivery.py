@@ -1,28 +1,23 @@
-"""4.3: how long a token takes from the engine to a client, with the engine off the HTTP
-process's interpreter (issue 40) and, with --before DIR, on a thread beside it (an older
-checkout, run alternately in the same way).
+"""4.3: a token's time from the engine's step to a client, with the engine in a process of its
+own (issue 40) and, with --before DIR, an older checkout's serve.py (the engine on a thread)
+run alternately with it.
 
-serve.py runs on a free loopback port with TINY_LLM_STAMP_TOKENS=1, so every stream chunk also
-carries `tiny_llm_sampled_at`: the engine's time.monotonic() when the step that sampled its
-tokens ended (CLOCK_MONOTONIC is one clock for every process of the machine). Each run has two
-phases: `--streams` greedy chat streams started at once ("concurrent"), then `--sequential`
-streams one after the other ("sequential", a client at concurrency 1). A chunk's delivery time is
-its arrival here minus its stamp. A "burst start" is a stream whose first two events (the role,
-sent as soon as the request is accepted, and the first token, after the prompt's prefill)
-arrived within 1 ms of each other: they were held back and sent together.
+serve.py runs with TINY_LLM_STAMP_TOKENS=1: every stream chunk also carries
+`tiny_llm_sampled_at`, the engine's time.monotonic() when the step that sampled its tokens ended
+(one clock for every process of the machine). A run: --streams greedy chat streams at once
+("concurrent"), then --sequential one after the other ("sequential"). A chunk's delivery time is
+its arrival minus its stamp; a "burst start" is a stream whose first two events (the role, then
+the first token, after the prefill) arrived within 1 ms of each other. --load N runs N busy
+processes beside the server (each stops by itself after 600 s at most).
 
     pdm run bench-token-delivery [--model tiny] [--streams 8] [--sequential 8] [--max-tokens 64]
                                  [--repeats 3] [--before DIR] [--load N]
-
---load N runs N busy processes beside the server during the measurement (each stops by itself
-after 600 s at most), for a machine under CPU load.
 
 Writes benches/results/token-delivery-<model>-<host>.json (or --json-output).
 """
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import json
 import os
@@ -31,76 +26,39 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
-from tiny_llm_support import startup
-
-if __name__ == "__main__":
-    startup.start()  # Ctrl-C, SIGTERM or an MLX that cannot load: one line, from here on
-
-# ruff: noqa: E402 (the imports below load MLX)
-from common import (
-    add_output_arguments,
-    check_checkpoint_arg,
-    check_outputs,
-    host_info,
-    host_slug,
-    log,
-    summarize,
-    write_json,
-)
-from serving_overhead import serve_running
-
+from benches import harness
+from benches.serving_load import Server
+from tiny_llm_support.cli import int_at_least
 from tiny_llm_support.demo_prompts import DEMO_PROMPTS
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "benches" / "results"
+NO_OPENBLAS = True  # the tiny model: python -m benches runs it on the bundled BLAS
 QUESTIONS = [p.question for p in DEMO_PROMPTS if p.context is None]  # short chat prompts
+PHASES = ("concurrent", "sequential")
 BURST_ARRIVAL_S, BURST_SAMPLED_S = 0.001, 0.005
 SPIN = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"  # --load
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--model", default="tiny", help="tiny (the shipped chat model) or a path")
-    p.add_argument("--streams", type=int, default=8, help="streams started at once")
-    p.add_argument("--sequential", type=int, default=8, help="streams sent one at a time")
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens generated per stream")
-    p.add_argument("--repeats", type=int, default=3, help="runs of each server, alternating")
-    p.add_argument("--before", type=Path, help="a checkout whose serve.py runs alternately")
-    p.add_argument(
-        "--load", type=int, default=0, help="busy processes beside the server (CPU load)"
-    )
-    add_output_arguments(p, "token-delivery-<model>-<host>.json")
-    args = p.parse_args(argv)
-    for name in ("streams", "sequential", "max_tokens", "repeats"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if not 0 <= args.load <= 64:
-        p.error("--load must be in 0..64")
-    if args.before is not None and not (args.before / "serve.py").is_file():
-        p.error(f"--before {args.before}: no serve.py there")
-    check_checkpoint_arg(p, args.model)
-    if args.json_output is None:
-        name = Path(args.model).name
-        args.json_output = RESULTS / f"token-delivery-{name}-{host_slug()}.json"
-    check_outputs(p, args.json_output)
-    return args
+Chunks = list[tuple[float, float | None]]  # (arrival, sampled) of each event of a stream
 
 
-def run_server(root: Path, args: argparse.Namespace, tmp: Path) -> dict:
-    """One run: serve.py of `root`; its streams at once, then one at a time."""
+def run_server(root: Path, args, tmp: Path) -> dict[str, Any]:
+    """One run: serve.py of the checkout `root`; its streams at once, then one at a time."""
     flags = ["--model", args.model, "--batch-size", str(args.streams), "--max-seq-len", "512"]
-    stamped = {"TINY_LLM_STAMP_TOKENS": "1", "PYTHONPATH": str(root / "src")}
-    with serve_running(flags, tmp, root, **stamped) as port:
-        stream(port, QUESTIONS[0], 4, args.model)  # warm-up
+    command = [sys.executable, str(root / "serve.py"), *flags]
+    env = {**os.environ, "TINY_LLM_STAMP_TOKENS": "1", "PYTHONPATH": str(root / "src")}
+    with Server("serve.py", command, env, tmp / "serve.log", cwd=root) as server:
+
+        def ask(i: int, max_tokens: int = args.max_tokens) -> Chunks:
+            return stream(server.port, QUESTIONS[i % len(QUESTIONS)], max_tokens, args.model)
+
+        ask(0, 4)  # warm-up
         busy = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.load)]
         try:
-            concurrent = at_once(port, args)
-            sequential = [
-                stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
-                for i in range(args.sequential)
-            ]
+            concurrent = at_once(ask, args.streams)
+            sequential = [ask(i) for i in range(args.sequential)]
         finally:
             for p in busy:
                 p.terminate()
@@ -108,34 +66,19 @@ def run_server(root: Path, args: argparse.Namespace, tmp: Path) -> dict:
     return {"concurrent": phase(concurrent), "sequential": phase(sequential)}
 
 
-def at_once(port: int, args: argparse.Namespace) -> list[list[tuple[float, float]]]:
-    """`--streams` streams started together, one thread each."""
-    streams = [None] * args.streams
-    start = threading.Barrier(args.streams)
+def at_once(ask, n: int) -> list[Chunks]:
+    """ask(i) for i < n, on n threads that start together."""
+    start = threading.Barrier(n)
 
-    def one(i: int) -> None:
+    def one(i: int) -> Chunks:
         start.wait()
-        streams[i] = stream(port, QUESTIONS[i % len(QUESTIONS)], args.max_tokens, args.model)
+        return ask(i)
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(args.streams)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    return streams
+    with ThreadPoolExecutor(n) as pool:
+        return list(pool.map(one, range(n)))
 
 
-def phase(streams: list[list[tuple[float, float]]]) -> dict:
-    delays = [a - s for chunks in streams for a, s in chunks if s is not None]
-    return {
-        "delivery_ms": summarize(delays, 1000),
-        "burst_starts": sum(burst_start(chunks) for chunks in streams),
-        "streams": len(streams),
-        "delays_ms": [round(d * 1000, 3) for d in delays],
-    }
-
-
-def stream(port: int, question: str, max_tokens: int, model: str) -> list[tuple[float, float]]:
+def stream(port: int, question: str, max_tokens: int, model: str) -> Chunks:
     """(arrival, sampled) of every data event of one streamed chat, read raw (sampled: None
     for the first, which carries the role and no token)."""
     body = {
@@ -143,9 +86,8 @@ def stream(port: int, question: str, max_tokens: int, model: str) -> list[tuple[
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
     }  # fmt: skip
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-    conn.request(
-        "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
-    )
+    headers = {"Content-Type": "application/json"}
+    conn.request("POST", "/v1/chat/completions", json.dumps(body), headers)
     response, chunks = conn.getresponse(), []
     while line := response.readline():
         arrived = time.monotonic()
@@ -155,7 +97,7 @@ def stream(port: int, question: str, max_tokens: int, model: str) -> list[tuple[
     return chunks
 
 
-def burst_start(chunks: list[tuple[float, float | None]]) -> bool:
+def burst_start(chunks: Chunks) -> bool:
     """The first two events arrived together: the role, sent when the request was accepted,
     and the first token, sampled after the prompt's prefill (as a client that counts events
     sees it), or the first two tokens although they were sampled apart."""
@@ -165,54 +107,65 @@ def burst_start(chunks: list[tuple[float, float | None]]) -> bool:
     return a1 - a0 < BURST_ARRIVAL_S and (s0 is None or s1 - s0 >= BURST_SAMPLED_S)
 
 
-PHASES = ("concurrent", "sequential")
+def phase(streams: list[Chunks]) -> dict[str, Any]:
+    delays = [a - s for chunks in streams for a, s in chunks if s is not None]
+    return {"delivery_ms": harness.summarize(delays, 1000),
+            "burst_starts": sum(burst_start(chunks) for chunks in streams),
+            "streams": len(streams), "delays_ms": [round(d * 1000, 3) for d in delays]}  # fmt: skip
 
 
-def merged(runs: list[dict], server: str, phase: str) -> dict:
+def merged(runs: list[dict], server: str, phase: str) -> dict[str, Any]:
     """One phase of one server over every repeat."""
     mine = [r[phase] for r in runs if r["server"] == server]
     delays = [d / 1000 for r in mine for d in r["delays_ms"]]
-    return {
-        "delivery_ms": summarize(delays, 1000),
-        "burst_starts": sum(r["burst_starts"] for r in mine),
-        "streams": sum(r["streams"] for r in mine),
-    }
+    return {"delivery_ms": harness.summarize(delays, 1000),
+            "burst_starts": sum(r["burst_starts"] for r in mine),
+            "streams": sum(r["streams"] for r in mine)}  # fmt: skip
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    servers = {"process": ROOT}  # the engine in a process of its own
+    p = harness.bench_parser("bench-token-delivery", __doc__.split("\n\n")[0])
+    p.add_argument("--model", default="tiny", help="tiny (the shipped chat model) or a path")
+    p.add_argument("--streams", type=int_at_least(1), default=8, help="streams started at once")
+    p.add_argument("--sequential", type=int_at_least(1), default=8, help="streams one at a time")
+    p.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens per stream")
+    p.add_argument("--repeats", type=int_at_least(1), default=3, help="runs of each server")
+    p.add_argument("--before", type=Path, help="a checkout whose serve.py runs alternately")
+    p.add_argument("--load", type=int, default=0, help="busy processes beside the server")
+    harness.add_output_arguments(p, "token-delivery-<model>-<host>.json")
+    args = p.parse_args(argv)
+    if not 0 <= args.load <= 64:
+        p.error("--load must be in 0..64")
+    if args.before is not None and not (args.before / "serve.py").is_file():
+        p.error(f"--before {args.before}: no serve.py there")
+    harness.check_checkpoint_arg(p, args.model)
+    default = f"token-delivery-{Path(args.model).name}-{harness.host_slug()}.json"
+    harness.set_output_paths(p, args, harness.RESULTS / default)
+    servers = {"process": harness.ROOT}  # the engine in a process of its own
     if args.before is not None:
         servers["thread"] = args.before.resolve()  # the engine on a thread (before issue 40)
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
+    started, runs = time.time(), []
+    progress = harness.Progress(args.repeats * len(servers))
+    with tempfile.TemporaryDirectory() as tmp, progress:
         for repeat in range(args.repeats):
             for name, root in servers.items():
-                log(f"repeat {repeat + 1}/{args.repeats}: {name} ({root})")
+                progress.start(f"repeat {repeat + 1}/{args.repeats}: {name} ({root})")
                 run = run_server(root, args, Path(tmp))
                 runs.append({"server": name, "repeat": repeat, **run})
+                progress.done()
     summary = {name: {p: merged(runs, name, p) for p in PHASES} for name in servers}
-    settings = {
-        k: getattr(args, k) for k in ("model", "streams", "sequential", "max_tokens", "load")
-    }
-    settings |= {
-        "repeats": args.repeats,
-        "before": None if args.before is None else str(args.before),
-    }
-    report = {"host": host_info(), "settings": settings, "runs": runs, "summary": summary}
-    report["targets"] = {"delivery_p95_ms_at_most": 5, "burst_starts": 0}
-    write_json(args.json_output, report)
-    for name, phases in summary.items():
-        for p, s in phases.items():
-            d = s["delivery_ms"]
-            print(
-                f"engine {name:7s} {p:10s} delivery p50 {d['median']:5.2f} ms  p95 {d['p95']:5.2f}"
-                f" ms  max {d['max']:6.2f} ms  burst starts {s['burst_starts']}/{s['streams']}"
-            )
-    print(f"wrote {args.json_output}")
+    settings = harness.arguments_json(args, ("json_output",))
+    targets = {"delivery_p95_ms_at_most": 5, "burst_starts": 0}
+    report = harness.report("token-delivery", started, settings, runs, summary, targets)
+    harness.write_report(args, report, summary_table)
     return 0
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("TINY_LLM_NO_OPENBLAS", "1")  # the tiny model needs no fast BLAS
-    sys.exit(startup.run(main))
+def summary_table(report: dict[str, Any]) -> str:
+    rows = [
+        [name, p, *(f"{s['delivery_ms'][k]:.2f}" for k in ("median", "p95", "max")),
+         f"{s['burst_starts']}/{s['streams']}"]
+        for name, phases in report["summary"].items() for p, s in phases.items()
+    ]  # fmt: skip
+    head = ["engine", "phase", "delivery p50 (ms)", "p95", "max", "burst starts"]
+    return harness.table(head, rows)

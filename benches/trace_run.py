@@ -1,10 +1,6 @@
-"""A request trace for serving benchmarks, and one run of it through a solution's own
-batch_generate, observed only through on_step (tiny_llm_support.batch_recorder).
-
-A trace is a list of prompts as token ids and an output budget per request. A run hands the
-whole trace to `batch_generate` at once (every request arrives at time 0) with
-`max_new_tokens` = the budgets and `ignore_eos=True`, so that every request generates exactly
-its budget and every scheduler setting does the same work.
+"""A request trace (prompts as token ids, an output budget per request) and one run of it: the
+solution's own batch_generate (or mlx-lm's BatchGenerator) serves the whole trace at once, every
+request exactly its budget (ignore_eos=True), watched only through on_step (BatchRecorder).
 
 Also what the benchmarks on committed trace files share (prefix_cache, speculative): reading and
 checking such a file, writing a new one, and the tokenizer mlx-lm gets for prompts of ids.
@@ -17,18 +13,14 @@ import dataclasses
 import hashlib
 import json
 import random
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from common import BenchModel, canonical_sha256, log, replace_file, summarize
-
+from benches.harness import canonical_sha256, log, replace_file, summarize
 from tiny_llm_support.batch_recorder import BatchRecorder
-
-WARMUP_OUTPUT_BUDGET = 4
 
 
 class WrongOutput(RuntimeError):
@@ -77,47 +69,19 @@ def make_trace(
     excluded_ids: Sequence[int] = (),
 ) -> Trace:
     """A deterministic trace: lengths uniform in the closed ranges, ids uniform over
-    [low, high) minus `excluded_ids`. Python's `random` keeps its stream stable across
+    [low, high) less `excluded_ids`. Python's `random` keeps its stream stable across
     versions, so a seed names the same trace everywhere."""
-    low, high = token_ids
-    excluded = sorted({i for i in excluded_ids if low <= i < high})
-    choices = high - low - len(excluded)
-    if choices < 1:
+    excluded = set(excluded_ids)
+    allowed = [i for i in range(*token_ids) if i not in excluded]
+    if not allowed:
         raise ValueError("no token ids to draw prompts from")
     rng = random.Random(seed)
     prompts, budgets = [], []
     for _ in range(num_seqs):
         length = rng.randint(*input_len)
         budgets.append(rng.randint(*output_len))
-        prompts.append([_nth_allowed(rng.randrange(choices), low, excluded) for _ in range(length)])
+        prompts.append([rng.choice(allowed) for _ in range(length)])
     return Trace(prompts, budgets)
-
-
-def _nth_allowed(n: int, low: int, excluded: list[int]) -> int:
-    """The n-th id (from 0) counting up from `low` and skipping the sorted `excluded` ids."""
-    token = low + n
-    for e in excluded:
-        if e <= token:
-            token += 1
-        else:
-            break
-    return token
-
-
-def warmup_trace(args: argparse.Namespace, model: BenchModel) -> Trace:
-    """A short trace for the warm-up runs, from another seed: one longest prompt (so the
-    largest chunks and caches have been allocated once), the rest of a batch at the shortest
-    length, a few output tokens each."""
-    n = min(args.num_seqs, args.batch_size)
-    budget = (min(args.max_output_len, WARMUP_OUTPUT_BUDGET),) * 2
-    seed = args.seed + 1_000_003
-    longest = make_trace(
-        seed, 1, (args.max_input_len,) * 2, budget, model.token_ids, model.excluded_ids
-    )
-    rest = make_trace(
-        seed + 1, n - 1, (args.min_input_len,) * 2, budget, model.token_ids, model.excluded_ids
-    )
-    return Trace(longest.prompts + rest.prompts, longest.output_budgets + rest.output_budgets)
 
 
 class NoTextTokenizer:
@@ -129,6 +93,16 @@ class NoTextTokenizer:
 
     def detokenizer(self) -> _NoText:
         return _NoText()
+
+
+class _NoText:
+    text = ""
+
+    def add_token(self, token_id: int) -> None:
+        pass
+
+    def finalize(self) -> None:
+        pass
 
 
 class IdsOnlyTokenizer:
@@ -148,49 +122,22 @@ class IdsOnlyTokenizer:
         return ""
 
 
-class _NoText:
-    text = ""
-
-    def add_token(self, token_id: int) -> None:
-        pass
-
-    def finalize(self) -> None:
-        pass
-
-
 def serve(
-    api: ModuleType,
-    model: Any,
-    trace: Trace,
-    options: dict[str, Any],
-    clock: Callable[[], float] = time.perf_counter,
-    pools: list | None = None,
+    api: ModuleType, model: Any, trace: Trace, options: dict[str, Any], pools: list | None = None
 ) -> dict[str, Any]:
     """Serve `trace` with `api.batch_generate` (api: tiny_llm_ref or tiny_llm) under the
-    scheduler settings `options` (batch_generate keywords), with the caches in `pools` when
-    given (paged), and measure it.
-
-    Returns {"metrics": scalar numbers, "raw": per-step and per-request times in seconds}.
-    """
-    rec = BatchRecorder(clock)
-    fixed = {  # every request generates exactly its budget
-        "max_seq_len": trace.max_seq_len,
-        "max_new_tokens": trace.output_budgets,
-        "ignore_eos": True,
-        "on_step": rec.on_step,
-        "pools": pools,
-    }
-    api.batch_generate(model, NoTextTokenizer(), trace.prompts, **fixed, **options)
+    scheduler settings `options` (its keywords), on the paged caches `pools` where given:
+    the run's {"metrics": numbers, "raw": per-step and per-request seconds} (measured)."""
+    rec = BatchRecorder()
+    api.batch_generate(
+        model, NoTextTokenizer(), trace.prompts, max_seq_len=trace.max_seq_len,
+        max_new_tokens=trace.output_budgets, ignore_eos=True, on_step=rec.on_step, pools=pools,
+        **options,
+    )  # fmt: skip
     return measured(rec, trace, "batch_generate")
 
 
-def serve_mlx_lm(
-    model: Any,
-    trace: Trace,
-    batch_size: int,
-    prefill_step: int,
-    clock: Callable[[], float] = time.perf_counter,
-) -> dict[str, Any]:
+def serve_mlx_lm(model: Any, trace: Trace, batch_size: int, prefill_step: int) -> dict[str, Any]:
     """Serve `trace` with mlx-lm's BatchGenerator on an mlx-lm model: `batch_size` decode
     slots, one prompt prefilled at a time in chunks of `prefill_step`, no stop tokens.
 
@@ -200,7 +147,7 @@ def serve_mlx_lm(
     """
     from mlx_lm.generate import BatchGenerator
 
-    rec = BatchRecorder(clock)
+    rec = BatchRecorder()
     gen = BatchGenerator(
         model,
         max_tokens=max(trace.output_budgets),
@@ -258,8 +205,10 @@ class _Step:
 
 
 def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
-    """The run's numbers, once its server returned; every request must have generated exactly
-    its budget, except requests a bounded page pool refused."""
+    """The run's numbers once its server returned: throughput, counts, and the median, p95
+    and max (ms) of the decode steps, decode gaps, TTFTs and prefill chunks; and every one of
+    those times (s). Every request must have generated exactly its budget, except requests a
+    bounded page pool refused."""
     rec.stop()
     n = len(trace.prompts)
     refused = sorted(i for i, r in rec.requests.items() if r.stop == "refused")
@@ -270,66 +219,35 @@ def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
             f"{server} generated {generated} tokens for budgets {trace.output_budgets}: "
             "it must stop each request after exactly max_new_tokens, and ignore EOS when asked"
         )
-    metrics = run_metrics(rec, trace)
-    metrics.update(
-        {
-            "requests_per_s": (n - len(refused)) / rec.wall,  # requests served, not refused
-            "output_tokens": sum(want),
-            "refused": len(refused),
-            "preemptions": sum(r.preemptions for r in rec.requests.values()),
-            "recomputed_tokens": rec.prefill_tokens()
-            - sum(len(p) for i, p in enumerate(trace.prompts) if i not in refused),
-        }
-    )
-    return {"metrics": metrics, "raw": raw_times(rec, n)}
-
-
-def run_metrics(rec: BatchRecorder, trace: Trace) -> dict[str, Any]:
-    """The run's numbers: throughput, decode steps and gaps, TTFT, prefill chunks (ms)."""
-    steps = summarize([p.duration for p in rec.decode_passes()], 1e3)
-    gaps = summarize([g.seconds for g in rec.decode_gaps()], 1e3)
-    first = summarize([r.ttft for r in rec.requests.values() if r.ttft is not None], 1e3)
-    chunks = summarize([p.duration for p in rec.prefill_passes()], 1e3)
-    n = len(trace.prompts)
-    return {
+    requests = [rec.requests[i] for i in range(n) if i in rec.requests]
+    times = {  # seconds
+        "decode_step": [p.duration for p in rec.decode_passes()],
+        "decode_gap": [g.seconds for g in rec.decode_gaps()],
+        "prefill_chunk": [p.duration for p in rec.prefill_passes()],
+        "ttft": [r.ttft for r in requests],
+        "finish": [r.finished for r in requests],
+    }
+    served_prompts = sum(len(p) for i, p in enumerate(trace.prompts) if i not in refused)
+    metrics = {
         "wall_s": rec.wall,
         "requests": n,
         "prompt_tokens": trace.prompt_tokens,
-        "output_tokens": trace.output_tokens,
+        "output_tokens": sum(want),
         "output_tokens_per_s": rec.output_tokens_per_s(),
-        "requests_per_s": n / rec.wall,
-        "decode_steps": steps["count"],
+        "requests_per_s": (n - len(refused)) / rec.wall,  # requests served, not refused
+        "decode_steps": len(times["decode_step"]),
         "decode_tokens": rec.decode_tokens(),
-        "decode_step_ms_median": steps["median"],
-        "decode_step_ms_p95": steps["p95"],
-        "decode_step_ms_max": steps["max"],
-        "decode_gaps": gaps["count"],
-        "decode_gap_ms_median": gaps["median"],
-        "decode_gap_ms_p95": gaps["p95"],
-        "decode_gap_ms_max": gaps["max"],
-        "ttft_ms_median": first["median"],
-        "ttft_ms_p95": first["p95"],
-        "ttft_ms_max": first["max"],
-        "prefill_chunks": sum(len(r.chunks) for r in rec.requests.values()),
-        "prefill_chunk_ms_median": chunks["median"],
-        "prefill_chunk_ms_max": chunks["max"],
+        "decode_gaps": len(times["decode_gap"]),
+        "prefill_chunks": sum(len(r.chunks) for r in requests),
+        "refused": len(refused),
+        "preemptions": sum(r.preemptions for r in requests),
+        "recomputed_tokens": rec.prefill_tokens() - served_prompts,
     }
-
-
-def raw_times(rec: BatchRecorder, n: int) -> dict[str, list[float | None]]:
-    """Every decode step, decode gap and prefill chunk, and each request's TTFT and finish."""
-    requests = [rec.requests[i] for i in range(n) if i in rec.requests]
-    return {
-        "decode_step_s": _rounded([p.duration for p in rec.decode_passes()]),
-        "decode_gap_s": _rounded([g.seconds for g in rec.decode_gaps()]),
-        "prefill_chunk_s": _rounded([p.duration for p in rec.prefill_passes()]),
-        "ttft_s": _rounded([r.ttft for r in requests]),
-        "finish_s": _rounded([r.finished for r in requests]),
-    }
-
-
-def _rounded(values: Sequence[float | None]) -> list[float | None]:
-    return [None if v is None else round(v, 6) for v in values]
+    for name in ("decode_step", "decode_gap", "ttft", "prefill_chunk"):
+        ms = summarize([t for t in times[name] if t is not None], 1e3)
+        metrics |= {f"{name}_ms_{stat}": ms[stat] for stat in ("median", "p95", "max")}
+    raw = {f"{name}_s": [t if t is None else round(t, 6) for t in ts] for name, ts in times.items()}
+    return {"metrics": metrics, "raw": raw}
 
 
 # --- committed trace files ---------------------------------------------------------------

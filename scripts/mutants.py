@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import tokenize
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
@@ -54,6 +55,7 @@ DROPPABLE = (ast.Assign, ast.AugAssign, ast.Expr)  # statements that can be left
 class Mutant:
     module: str  # file name in the package
     line: int  # 1-based line of the change
+    source: str  # that line as the reference writes it
     day: tuple[int, int]
     task: int
     what: str  # e.g. "'<' -> '<='"
@@ -61,6 +63,10 @@ class Mutant:
     outcome: str = ""  # killed, survived, timeout (killed), broken (does not import)
     seconds: float = 0.0
     tested_by: tuple = ()  # the days whose tests run: the body's day, and any other it names
+
+    @property
+    def label(self) -> str:  # as the results list a survivor
+        return f"{self.module}:{self.line} (Task {self.task}) {self.what}"
 
 
 def task_lines(source: str) -> dict[int, tuple]:
@@ -120,13 +126,13 @@ def make_mutants(days: set[tuple[int, int]] | None) -> list[Mutant]:
     mutants = []
     for path in sorted(REF.glob("*.py")):
         source = path.read_text(encoding="utf-8")
-        owner = task_lines(source)
+        owner, lines = task_lines(source), source.splitlines()
         for row, what, text in token_mutants(source, owner) + dropped_statements(source, owner):
             week, day, task, named = owner[row]
             if (days is None or (week, day) in days) and compiles(text):
-                mutants.append(
-                    Mutant(path.name, row, (week, day), task, what, text, tested_by=named)
-                )
+                line = lines[row - 1].strip()
+                m = Mutant(path.name, row, line, (week, day), task, what, text, tested_by=named)
+                mutants.append(m)
     return mutants
 
 
@@ -165,14 +171,26 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
     return mutant
 
 
-def keyed(mutants: list, key: Callable[[Any], tuple]) -> dict:
-    """key(m) + (n,) -> mutant, key giving (module, line, what), n counting the same change
-    twice on one line."""
-    out = {}
-    for m in mutants:
-        k = key(m)
-        out[(*k, sum(seen[:3] == k for seen in out))] = m
+def keyed(items: list, key: Callable[[Any], tuple]) -> dict:
+    """key(item) + (n,) -> item, n counting the items before it with the same key (the same
+    change twice on one line)."""
+    out, seen = {}, Counter()
+    for item in items:
+        k = key(item)
+        out[(*k, seen[k])] = item
+        seen[k] += 1
     return out
+
+
+def reason_keys(mutants: list[Mutant]) -> dict[str, Mutant]:
+    """Each mutant under its key in `survivors_why`: its module, the change and the line it
+    changes as written (not the line's number, which an edit above it moves), then (2) for the
+    second same change of that text, and so on."""
+    by_text = keyed(mutants, attrgetter("module", "what", "source"))
+    return {
+        f"{f}: {what} in `{line}`" + f" ({n + 1})" * bool(n): m
+        for (f, what, line, n), m in by_text.items()
+    }
 
 
 def rerun_survivors(path: Path, args) -> int:
@@ -182,61 +200,67 @@ def rerun_survivors(path: Path, args) -> int:
     days = {tuple(map(int, row["day"].split("."))) for row in old["days"]}
     fresh = keyed(make_mutants(days), attrgetter("module", "line", "what"))
     runs = keyed(old["mutants"], itemgetter("module", "line", "what"))
-    alive = [k for k, m in runs.items() if m["outcome"] == "survived"]
-    missing = [k for k in alive if k not in fresh]
-    if missing:
-        print(f"error: {path}: the reference changed since that run ({missing[0]}): run it anew")
+    if fresh.keys() != runs.keys():
+        changed = min(fresh.keys() ^ runs.keys())
+        print(f"error: {path}: the reference changed since that run ({changed}): run it anew")
         return 1
+    for k, m in fresh.items():
+        m.outcome, m.seconds = runs[k]["outcome"], runs[k]["seconds"]
+    mutants = list(fresh.values())
+    alive = [m for m in mutants if m.outcome == "survived"]
     print(f"mutants: {len(alive)} survivors of {path.name} run again", flush=True)
     with tempfile.TemporaryDirectory(prefix="tiny-llm-mutants-") as tmp:
         with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-            again = pool.map(lambda k: run_mutant(fresh[k], Path(tmp), args.timeout), alive)
-            for k, m in zip(alive, again):
-                print(f"  {m.module}:{m.line} {m.what}: {m.outcome}")
-                runs[k].update(outcome=m.outcome, seconds=m.seconds)
-    mutants = [Mutant(**{**m, "day": tuple(m["day"]), "text": ""}) for m in runs.values()]
-    for m in mutants:  # results written before tested_by existed
-        m.tested_by = tuple(map(tuple, m.tested_by)) or (m.day,)
-    old["days"] = with_reasons(day_table(mutants), old)
-    path.write_text(json.dumps(old, indent=1) + "\n", encoding="utf-8")
+            for m in pool.map(lambda m: run_mutant(m, Path(tmp), args.timeout), alive):
+                print(f"  {m.label}: {m.outcome}")
+    results = {"days": day_table(mutants, old), "mutants": records(mutants)}
+    path.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0
 
 
-def with_reasons(table: list[dict], earlier: dict | None) -> list[dict]:
-    """The day rows with the reasons an earlier results file gave for the survivors still
-    alive (`survivors_why`, written by hand: "equivalent: ..." or why no test can kill it), and
-    the counts that follow from them."""
+def records(mutants: list[Mutant]) -> list[dict]:
+    """The mutants as the results file lists them: all but the mutated module's text."""
+    return [{k: v for k, v in asdict(m).items() if k != "text"} for m in mutants]
+
+
+def day_table(mutants: list[Mutant], earlier: dict | None) -> list[dict]:
+    """A row per day: its mutants killed and survived, and the reasons an earlier results file
+    gave for the survivors still alive (`survivors_why`, written by hand: "equivalent: ..." or
+    why no test can kill it) with the counts that follow from them. A reason is found under its
+    reason_keys key, or under the survivor's label (line number) that files written before used."""
     why = {row["day"]: row.get("survivors_why", {}) for row in (earlier or {}).get("days", [])}
-    for row in table:
-        known = why.get(row["day"], {})
-        row["survivors_why"] = {s: known[s] for s in row["survivors"] if s in known}
-        same = sum(r.startswith("equivalent") for r in row["survivors_why"].values())
-        row["equivalent"] = same
-        killable = row["mutants"] - same
-        row["killed_of_non_equivalent"] = round(row["killed"] / killable, 3) if killable else None
-    return table
-
-
-def day_table(mutants: list[Mutant]) -> list[dict]:
-    rows = []
+    rows, used = [], set()
     for day in sorted({m.day for m in mutants}):
-        mine = [m for m in mutants if m.day == day and m.outcome != "broken"]
+        name = f"{day[0]}.{day[1]}"
+        keys = reason_keys([m for m in mutants if m.day == day])
+        mine = [m for m in keys.values() if m.outcome != "broken"]
         killed = sum(m.outcome in ("killed", "timeout") for m in mine)
+        alive = {k: m for k, m in keys.items() if m.outcome == "survived"}
+        known, reasons = why.get(name, {}), {}
+        for k, m in alive.items():
+            old = k if k in known else m.label
+            if old in known:
+                reasons[k] = known[old]
+                used.add((name, old))
+        same = sum(r.startswith("equivalent") for r in reasons.values())
+        killable = len(mine) - same
         rows.append(
             {
-                "day": f"{day[0]}.{day[1]}",
+                "day": name,
                 "mutants": len(mine),
                 "killed": killed,
                 "survived": len(mine) - killed,
                 "killed_fraction": round(killed / len(mine), 3) if mine else None,
-                "survivors": [
-                    f"{m.module}:{m.line} (Task {m.task}) {m.what}"
-                    for m in mine
-                    if m.outcome == "survived"
-                ],
+                "survivors": [m.label for m in alive.values()],
+                "survivors_why": reasons,
+                "equivalent": same,
+                "killed_of_non_equivalent": round(killed / killable, 3) if killable else None,
             }
         )
+    if earlier is not None:
+        dropped = sum(map(len, why.values())) - len(used)
+        print(f"mutants: {len(used)} survivors' reasons kept, {dropped} dropped", file=sys.stderr)
     return rows
 
 
@@ -283,7 +307,7 @@ def main() -> int:
             for n, m in enumerate(runs, start=1):
                 day = f"{m.day[0]}.{m.day[1]}"
                 print(f"  [{n}/{len(mutants)}] {day} {m.module}:{m.line} {m.what}: {m.outcome}")
-    table = with_reasons(day_table(mutants), earlier)
+    table = day_table(mutants, earlier)
     print(f"\n{'day':>5} {'mutants':>8} {'killed':>7} {'survived':>9} {'killed %':>9}")
     for row in table:
         share = f"{100 * row['killed_fraction']:.0f}%" if row["mutants"] else "-"
@@ -293,8 +317,8 @@ def main() -> int:
         for survivor in row["survivors"]:
             print(f"        survived: {survivor}")
     if args.json_output:
-        runs = [{k: v for k, v in asdict(m).items() if k != "text"} for m in mutants]
-        args.json_output.write_text(json.dumps({"days": table, "mutants": runs}, indent=1) + "\n")
+        results = {"days": table, "mutants": records(mutants)}
+        args.json_output.write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
         print(f"wrote {args.json_output}")
     return 0
 

@@ -302,15 +302,10 @@ BENCHES = Path(__file__).resolve().parent.parent / "benches"
 
 
 def load_bench(name: str):
-    """The module benches/<name>.py. The benches are scripts that import their siblings by name
-    (their folder is first on sys.path when they run); here each module is loaded by its path
-    and registered under its name, so load a module's siblings before it."""
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCHES / f"{name}.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    """The module benches.<name> (the repository goes on sys.path, as for `python -m benches`)."""
+    if str(BENCHES.parent) not in sys.path:
+        sys.path.insert(0, str(BENCHES.parent))
+    return importlib.import_module(f"benches.{name}")
 
 
 def serve_greedy(engine, prompts, max_tokens, check=None) -> dict[int, list[int]]:

@@ -11,7 +11,6 @@ import mlx.core as mx
 import pytest
 from helpers import REQUIRE_RANKS, load_bench
 
-load_bench("common")
 bench = load_bench("long_context")
 
 PROMPT, WINDOW, CHUNK, PAGE, STEPS = 96, 16, 32, 8, 2
@@ -29,30 +28,31 @@ def test_bench_long_context_smoke(tmp_path, capsys):
     assert "sliding window" in table and "ring prefill" in table
 
     report = json.loads(out.read_text())
-    assert report["schema"] == "tiny-llm/bench-long-context/v1"
+    assert report["benchmark"] == "long-context"
     assert report["settings"]["window"] == WINDOW and report["settings"]["read_in_place"]
-    rows = {r["variant"]: r for r in report["window"]["rows"]}
-    assert [r["variant"] for r in report["window"]["rows"]] == ["full", "window", "banded-mask"]
+    window_rows = [r for r in report["runs"] if r["part"] == "window"]
+    rows = {r["variant"]: r for r in window_rows}
+    assert [r["variant"] for r in window_rows] == ["full", "window", "banded-mask"]
     full, window = rows["full"], rows["window"]
     for r in (full, window):
         assert len(r["chunk_s"]) == PROMPT // CHUNK and len(r["decode_step_s"]) == STEPS
         assert r["kv_peak_bytes"] == r["peak_pages"] * r["page_bytes"]
-    layers = report["model"]["num_layers"]
+    layers = report["settings"]["model"]["num_layers"]
     assert full["pages_released"] == 0
     assert full["peak_pages"] == layers * -(-(PROMPT + STEPS + 1) // PAGE)  # every token kept
     # a windowed layer keeps at most its window, one chunk and a page on either side
     assert 0 < window["peak_pages"] <= layers * ((WINDOW + CHUNK) // PAGE + 2)
     assert window["pages_released"] > 0 and window["kv_peak_bytes"] < full["kv_peak_bytes"]
 
-    checks = report["agreement"]["checks"]
-    assert report["agreement"]["ok"] and all(c["relative_diff"] <= 1e-3 for c in checks)
+    checks = report["summary"]["agreement"]["checks"]
+    assert report["summary"]["agreement"]["ok"] and all(c["relative_diff"] <= 1e-3 for c in checks)
     whats = {c["what"] for c in checks}
     assert {w for w in whats if w.startswith("window vs")} == {
         "window vs explicit banded masks, prefill logits",
         "window vs explicit banded masks, decode logits",
     }
 
-    ring = {r["ranks"]: r for r in report["ring"]["rows"]}
+    ring = {r["ranks"]: r for r in report["runs"] if r["part"] == "ring"}
     assert set(ring) == set(RANKS) and not any(r["skipped"] for r in ring.values())
     assert ring[1]["by_rank"][0]["tokens_held"] == PROMPT
     assert ring[1]["arithmetic"]["steps"] == 0 and ring[1]["ring_step_s"] is None

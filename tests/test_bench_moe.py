@@ -8,7 +8,6 @@ import json
 
 from helpers import load_bench
 
-load_bench("common")
 load_bench("ceilings")
 bench = load_bench("moe")
 
@@ -26,19 +25,21 @@ def test_bench_moe_smoke(tmp_path, capsys):
     assert "target: grouped at least 3.0x faster than loop" in capsys.readouterr().out
 
     report = json.loads(out.read_text())
-    assert report["schema"] == "tiny-llm/bench-moe/v1"
-    config = report["config"]
+    assert report["benchmark"] == "moe"
+    config = report["settings"]["config"]
     assert config["model_type"] == "qwen3_moe" and config["num_hidden_layers"] == 1
     assert (config["num_experts"], config["num_experts_per_tok"]) == (EXPERTS, PER_TOKEN)
     assert config["num_attention_heads"] == 32 and config["num_key_value_heads"] == 4
-    assert report["weights"]["expert_bytes"] == 3 * WIDTH * HIDDEN * 4
-    assert report["ceilings"]["bandwidth_ceiling_gbs"] > 0
+    assert report["settings"]["weights"]["expert_bytes"] == 3 * WIDTH * HIDDEN * 4
+    assert report["summary"]["ceilings"]["bandwidth_ceiling_gbs"] > 0
+    block = [r for r in report["runs"] if r["part"] == "block"]
+    model = [r for r in report["runs"] if r["part"] == "model"]
 
     labels = ["prefill 1x16", "decode 1x1", "decode 2x1"]
-    assert [(r["label"], r["variant"]) for r in report["block"]] == [
+    assert [(r["label"], r["variant"]) for r in block] == [
         (label, v) for label in labels for v in bench.VARIANTS
     ]
-    for r in report["block"]:
+    for r in block:
         assert len(r["samples_s"]) == 2 and r["median_s"] > 0, r["label"]
         assert (
             r["weight_bytes"]
@@ -48,15 +49,15 @@ def test_bench_moe_smoke(tmp_path, capsys):
         if r["label"] == "decode 1x1":
             assert r["experts_touched"] == PER_TOKEN  # one token reads exactly k experts
 
-    assert [r["variant"] for r in report["model"]] == list(bench.VARIANTS)
-    for r in report["model"]:
+    assert [r["variant"] for r in model] == list(bench.VARIANTS)
+    for r in model:
         assert r["prefill_tokens"] == PREFILL and len(r["prefill_samples_s"]) == 2
         parts = r["decode_bytes_per_step"]
         assert parts["experts"] == PER_TOKEN * 3 * WIDTH * HIDDEN * 4
         assert parts["total"] == sum(v for k, v in parts.items() if k != "total")
         assert r["decode_gb_per_s"] > 0
 
-    agreement = report["agreement"]
+    agreement = report["summary"]["agreement"]
     assert agreement["ok"] and agreement["largest_relative_diff"] <= bench.AGREEMENT_RTOL
     wheres = {c["where"] for c in agreement["checks"]}
     assert wheres == {f"block {label}" for label in labels} | {"model logits"}

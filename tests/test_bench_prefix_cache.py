@@ -11,7 +11,6 @@ from helpers import load_bench
 
 from tiny_llm_support import make_tiny_checkpoint
 
-load_bench("common")
 load_bench("trace_run")
 bench = load_bench("prefix_cache")
 
@@ -53,9 +52,10 @@ def test_bench_prefix_cache_smoke(tmp_path):
     assert bench.main(args) == 0
 
     report = json.loads(out.read_text())
-    assert report["schema"] == "tiny-llm/bench-prefix-cache/v1"
-    assert report["trace"]["file_sha256"] == hashlib.sha256(trace_path.read_bytes()).hexdigest()
-    assert report["trace"]["used"]["conversations"] == CONVERSATIONS
+    assert report["benchmark"] == "prefix-cache"
+    trace = report["settings"]["trace"]
+    assert trace["file_sha256"] == hashlib.sha256(trace_path.read_bytes()).hexdigest()
+    assert trace["used"]["conversations"] == CONVERSATIONS
     assert [run["mode"] for run in report["runs"]] == ["off", "on", "mlx-lm"]
     for run in report["runs"]:
         requests = run["requests"]
@@ -80,7 +80,7 @@ def test_bench_prefix_cache_smoke(tmp_path):
         assert all(r["cached_tokens"] > 0 for r in run["requests"] if r["turn"] > 1), run["mode"]
     assert on["metrics"]["peak_pages"] > 0 and mlx_lm["metrics"]["peak_pages"] is None
 
-    modes = report["modes"]
+    modes = report["summary"]
     assert set(modes) == {"off", "on", "mlx-lm"}
     assert modes["on"]["same_token_ids_as_off"] is True
     targets = report["targets"]

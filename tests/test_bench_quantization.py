@@ -11,7 +11,6 @@ from helpers import load_bench
 
 from tiny_llm_support import make_tiny_checkpoint
 
-load_bench("common")
 quantization = load_bench("quantization")
 
 
@@ -23,14 +22,15 @@ def test_bench_quantization_smoke(tmp_path):
     args += ["--contexts", "256", "--agreement-tokens", "4"]
     assert quantization.main(args) == 0
     report = json.loads(output.read_text())
-    weights = {(row["weights"], row["quantized_linear"]): row for row in report["weights"]}
+    rows = {part: [r for r in report["runs"] if r["part"] == part] for part in ("weights", "kv")}
+    weights = {(row["weights"], row["quantized_linear"]): row for row in rows["weights"]}
     assert len(weights) == 7  # float32, and 8-bit and 4-bit on each of the three paths
     held = lambda name, path: weights[(name, path)]["model_bytes"]
     assert held("4bit", "kernel") < held("8bit", "kernel") < held("float32", None)
     assert held("8bit", "dequantize-at-load") == held("float32", None)
-    assert all(row["decode_ms_per_token"] > 0 for row in report["weights"])
-    kv = {row["kv_cache"]: row["kv_bytes_per_token"] for row in report["kv"]}
+    assert all(row["decode_ms_per_token"] > 0 for row in rows["weights"])
+    kv = {row["kv_cache"]: row["kv_bytes_per_token"] for row in rows["kv"]}
     assert kv["int8"] <= 0.30 * kv["float32"]
-    for summary in report["agreement"].values():
+    for summary in report["summary"]["agreement"].values():
         assert 0 <= summary["forced_agreement"] <= 1
         assert 0 <= summary["mean_matching_prefix"] <= 4

@@ -6,7 +6,6 @@ import json
 
 from helpers import load_bench
 
-load_bench("common")
 load_bench("serving")
 ragged_step = load_bench("ragged_step")
 

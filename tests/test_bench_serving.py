@@ -12,7 +12,6 @@ from helpers import load_bench
 
 from tiny_llm_support.tiny_tokenizer import tiny_tokenizer_json
 
-load_bench("common")
 bench = load_bench("serving")
 
 
@@ -41,9 +40,9 @@ def test_bench_serving_smoke(tmp_path):
     assert out.with_suffix(".png").is_file()
 
     report = json.loads(out.read_text())
-    assert report["schema"] == "tiny-llm/bench-serving/v1"
+    assert report["benchmark"] == "serving"
     assert (
-        report["traces"][0]["file_sha256"]
+        report["settings"]["trace_files"][0]["file_sha256"]
         == hashlib.sha256(bench.TRACES["chat"].read_bytes()).hexdigest()
     )
     assert [(r["server"], r["trace"], r["rate"]) for r in report["runs"]] == [
@@ -60,12 +59,12 @@ def test_bench_serving_smoke(tmp_path):
         for q in run["requests"]:
             assert q["ttft_s"] > 0 and q["e2e_s"] >= q["ttft_s"] and q["output_tokens"] > 0
     # greedy: the same tokens, so the same text, but for the leading space mlx-lm trims
-    match = report["text_match"]["mlx-lm"]
+    match = report["summary"]["text_match"]["mlx-lm"]
     assert match["compared"] == 3
     assert match["identical"] + match["identical_but_leading_space"] == 3
     assert "vs mlx-lm" in next(iter(report["targets"]))
 
-    soak = report["soak"]
+    soak = report["summary"]["soak"]
     assert soak["requests"] == 4 and soak["hangups_planned"] == 1
     assert (soak["completed"], soak["cancelled_by_client"]) == (3, 1)
     assert soak["server_finished"] + soak["server_aborted"] == 4

@@ -6,7 +6,6 @@ import json
 
 from helpers import load_bench
 
-load_bench("common")
 serving_overhead = load_bench("serving_overhead")
 
 

@@ -13,9 +13,7 @@ from helpers import BENCHES, load_bench, offline_env
 from tiny_llm_support import load_tokenizer
 from tiny_llm_support.models import tiny_chat_dir
 
-load_bench("common")
 load_bench("trace_run")
-load_bench("prefix_cache")
 bench = load_bench("speculative")
 
 MODES = ["plain", "lookup-k2", "draft-self-k2", "mlx-lm-draft-1layer-k2"]
@@ -59,24 +57,27 @@ def test_modes_are_parsed_or_refused():
 
 def test_bench_speculative_smoke(tmp_path):
     out = tmp_path / "out.json"
-    cmd = [sys.executable, str(BENCHES / "speculative.py"), "--device", "cpu", "--repeats", "1"]
+    cmd = [sys.executable, "-m", "benches", "speculative", "--device", "cpu", "--repeats", "1"]
     cmd += ["--requests", str(REQUESTS), "--max-tokens", str(MAX_TOKENS), "--modes", *MODES]
     cmd += ["--batch-sizes", *map(str, BATCH_SIZES), "--json-output", str(out)]
-    done = subprocess.run(cmd, env=offline_env(tmp_path), capture_output=True, text=True)
+    done = subprocess.run(
+        cmd, env=offline_env(tmp_path), capture_output=True, text=True, cwd=BENCHES.parent
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "target identical answers: 0 mismatched: met" in done.stdout
 
     report = json.loads(out.read_text())
-    assert report["schema"] == "tiny-llm/bench-speculative/v1"
-    assert report["settings"]["max_tokens"] == MAX_TOKENS and report["settings"]["greedy"]
+    assert report["benchmark"] == "speculative"
+    settings = report["settings"]
+    assert settings["max_tokens"] == MAX_TOKENS and settings["greedy"]
     for name in bench.TRACE_NAMES:
-        about = report["traces"][name]
+        about = settings["traces"][name]
         assert about["file_sha256"] == bench.DEFAULT_TRACE_SHA256[name]
         assert about["is_committed_trace"] and about["prompt_ids_from"] == "trace"
         assert about["used_requests"] == REQUESTS
-    assert set(report["drafts"]) == {"self", "1"}
-    assert report["drafts"]["1"]["num_layers"] == 1
-    assert report["modes"]["draft-self-k2"]["draft_is_target"] is True
+    assert set(settings["drafts"]) == {"self", "1"}
+    assert settings["drafts"]["1"]["num_layers"] == 1
+    assert settings["modes"]["draft-self-k2"]["draft_is_target"] is True
     assert [run["mode"] for run in report["runs"]] == MODES
 
     for run in report["runs"]:
@@ -99,7 +100,7 @@ def test_bench_speculative_smoke(tmp_path):
                 # the target as its own draft: every guess kept (none past an EOS here)
                 assert row["accepted"] == row["proposed"], where
 
-    lines = report["summary"]
+    lines = report["summary"]["rows"]
     assert {(x["mode"], x["trace"], x["batch_size"]) for x in lines} == {
         (m, t, b)
         for m in MODES
@@ -113,10 +114,9 @@ def test_bench_speculative_smoke(tmp_path):
     assert set(targets["lookup"]) == {"lookup-k2"}
     assert isinstance(targets["lookup"]["lookup-k2"]["met"], bool)
     assert targets["identical_answers"] == {"mismatched_requests": 0, "met": True}
-    answers = report["plain_answers"]
+    answers = report["summary"]["plain_answers"]
     assert set(answers) == set(bench.TRACE_NAMES)
     for plain in answers.values():
         assert plain["batch_size"] == 1 and set(plain["same_ids_at_batch_sizes"]) == {"2"}
         assert len(plain["answers"]) == REQUESTS
         assert all(len(o["token_ids"]) == o["generated_tokens"] > 0 for o in plain["answers"])
-    assert out.with_suffix(".png").exists()

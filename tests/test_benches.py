@@ -22,14 +22,11 @@ COMMITTED = BENCHES / "results" / "chunked-prefill-qwen3-0.6b-12layers-linux-x86
 TASK = re.compile(r"Week \d+ Day \d+, Task \d+: ")
 
 
-common = load_bench("common")
+harness = load_bench("harness")
 tr = load_bench("trace_run")
-load_bench("chunked_prefill_report")
 cp = load_bench("chunked_prefill")
 load_bench("ceilings")
 impls = load_bench("model_impls")
-for _sibling in ("model_harness", "model_ablation", "model_report"):
-    load_bench(_sibling)
 bench_model = load_bench("model")
 
 # seed 0, 3 requests, prompt lengths 5..40, budgets 2..4, ids from the tiny vocabulary
@@ -66,10 +63,10 @@ def test_trace_is_deterministic_and_in_range():
 
 
 def test_percentile_matches_linear_interpolation():
-    assert common.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
-    assert common.percentile([10.0], 95) == 10.0
-    assert common.percentile([0.0, 100.0], 95) == pytest.approx(95.0)
-    assert common.percentile([], 50) is None
+    assert harness.percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert harness.percentile([10.0], 95) == 10.0
+    assert harness.percentile([0.0, 100.0], 95) == pytest.approx(95.0)
+    assert harness.percentile([], 50) is None
 
 
 def test_serve_generates_exactly_the_budgets(tiny_dir):
@@ -110,8 +107,8 @@ def test_committed_result_names_its_trace():
     """The committed measurement's trace is what make_trace draws from its stored arguments,
     so a rerun with the same arguments serves the same requests."""
     report = json.loads(COMMITTED.read_text())
-    args = report["arguments"]
-    model = common.resolve_bench_model(args["model"], args["random_weights"], args["num_layers"])
+    args, recorded = report["settings"]["arguments"], report["settings"]["trace"]
+    model = harness.resolve_bench_model(args["model"], args["random_weights"], args["num_layers"])
     trace = tr.make_trace(
         args["seed"],
         args["num_seqs"],
@@ -120,9 +117,9 @@ def test_committed_result_names_its_trace():
         model.token_ids,
         model.excluded_ids,
     )
-    assert trace.sha256() == report["trace"]["sha256"]
-    assert trace.prompts == report["trace"]["prompts"]
-    assert trace.output_budgets == report["trace"]["output_budgets"]
+    assert trace.sha256() == recorded["sha256"]
+    assert trace.prompts == recorded["prompts"]
+    assert trace.output_budgets == recorded["output_budgets"]
 
 
 def assert_schema_of_committed_result(report: dict) -> None:
@@ -130,14 +127,16 @@ def assert_schema_of_committed_result(report: dict) -> None:
     and raw times, and the per-budget rows."""
     committed = json.loads(COMMITTED.read_text())
     assert set(committed) <= set(report), set(committed) - set(report)
-    assert report["schema"] == committed["schema"]
-    for part in ("trace", "model", "blas"):
+    assert report["benchmark"] == committed["benchmark"]
+    for part in ("host", "settings", "summary"):
         assert set(committed[part]) <= set(report[part]), part
+    for part, inner in (("settings", "trace"), ("settings", "model"), ("host", "blas")):
+        assert set(committed[part][inner]) <= set(report[part][inner]), inner
     run, old_run = report["runs"][0], committed["runs"][0]
     assert set(old_run) <= set(run), set(old_run) - set(run)
     assert set(old_run["metrics"]) <= set(run["metrics"]), "the committed metrics stay"
     assert set(run["raw"]) == set(old_run["raw"])
-    row, old_row = report["budgets"][0], committed["budgets"][0]
+    row, old_row = report["summary"]["budgets"][0], committed["summary"]["budgets"][0]
     assert set(old_row) <= set(row), set(old_row) - set(row)
     assert set(old_row["median"]) <= set(row["median"])
 
@@ -171,7 +170,7 @@ def test_cli_writes_the_report(tiny_dir, tmp_path):
         str(out),
     ]
     proc = subprocess.run(
-        [sys.executable, str(BENCHES / "chunked_prefill.py"), *args],
+        [sys.executable, "-m", "benches", "chunked-prefill", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -181,14 +180,15 @@ def test_cli_writes_the_report(tiny_dir, tmp_path):
     assert "[2/2] alternate prefill step" in proc.stderr  # one progress line per run
     report = json.loads(out.read_text())
     assert_schema_of_committed_result(report)
-    trace = report["trace"]
+    settings, budgets = report["settings"], report["summary"]["budgets"]
+    trace = settings["trace"]
     assert trace["sha256"] == tr.make_trace(**TINY_TRACE_ARGS).sha256() == TINY_TRACE_SHA256
     assert trace["output_budgets"] == tr.make_trace(**TINY_TRACE_ARGS).output_budgets
-    assert report["dtype"] == "float32" and report["model"]["num_layers"] == 2
+    assert settings["dtype"] == "float32" and settings["model"]["num_layers"] == 2
     assert [r["prefill_step"] for r in report["runs"]] == [8, 64]
     assert len({r["pid"] for r in report["runs"]}) == 2  # a fresh process per run
-    assert [row["prefill_step"] for row in report["budgets"]] == [8, 64]
-    for row in report["budgets"]:
+    assert [row["prefill_step"] for row in budgets] == [8, 64]
+    for row in budgets:
         assert row["runs"] == 1
         assert set(cp.SCALAR_METRICS) <= set(row["median"])
         assert row["median"]["output_tokens_per_s"] > 0
@@ -221,14 +221,14 @@ def test_unfinished_solution_stops_with_the_task(tiny_dir, tmp_path):
     args += ["--num-seqs", "2", "--min-input-len", "5", "--max-input-len", "20"]
     args += ["--max-output-len", "2", "--min-output-len", "2", "--repeats", "1", "--no-plot"]
     proc = subprocess.run(
-        [sys.executable, str(BENCHES / "chunked_prefill.py"), *args, "--json-output", str(out)],
+        [sys.executable, "-m", "benches", "chunked-prefill", *args, "--json-output", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=120,
     )
     if proc.returncode == 0:
-        assert json.loads(out.read_text())["solution"] == "tiny_llm"
+        assert json.loads(out.read_text())["settings"]["solution"] == "tiny_llm"
         return
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr + proc.stdout
@@ -267,32 +267,32 @@ def test_bench_model_cli_writes_its_report(tiny_dir, tmp_path):
     args += ["--batch-cache", "batching", "--no-openblas", "--json-output", str(out)]
     assert bench_model.main(args) == 0
     report = json.loads(out.read_text())
-    assert report["solution"] == "tiny_llm_ref"
-    assert [row["kind"] for row in report["prefill"] + report["decode"]] == ["prefill", "decode"]
-    assert report["agreement"]["ref"]["same_argmax"]
-    assert report["ceilings"]["matmul_ceiling_gflops"] > 0
+    assert report["settings"]["solution"] == "tiny_llm_ref"
+    assert [row["kind"] for row in report["runs"]] == ["prefill", "decode"]
+    assert report["summary"]["agreement"]["ref"]["same_argmax"]
+    assert report["summary"]["ceilings"]["matmul_ceiling_gflops"] > 0
 
 
 def test_policies_pools_and_mlx_lm_runs(tiny_dir, tmp_path):
     """Both policies and mlx-lm's server, then paged pools sized from the trace's peak: every
     run serves exactly the budgets (serve refuses otherwise) and the report keeps one row per
     setting, the alternate policy's first."""
-    base = [sys.executable, str(BENCHES / "chunked_prefill.py"), "--model", str(tiny_dir)]
+    base = [sys.executable, "-m", "benches", "chunked-prefill", "--model", str(tiny_dir)]
     base += ["--prefill-steps", "8", "--num-seqs", "4", "--min-input-len", "8"]
     base += ["--max-input-len", "24", "--min-output-len", "4", "--max-output-len", "6"]
     base += ["--repeats", "1", "--warmup", "0", "--no-plot"]
     out = tmp_path / "policies.json"
     cmd = base + ["--policy", "alternate", "hybrid", "mlx-lm", "--json-output", str(out)]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    rows = json.loads(out.read_text())["budgets"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300, cwd=BENCHES.parent)
+    rows = json.loads(out.read_text())["summary"]["budgets"]
     assert [r["policy"] for r in rows] == ["alternate", "hybrid", "mlx-lm"]
     out = tmp_path / "pools.json"
     cmd = base + ["--policy", "hybrid", "--page-size", "4", "--pool-fractions", "1", "0.5"]
     subprocess.run(cmd + ["--json-output", str(out)], check=True, capture_output=True, timeout=300)
-    report = json.loads(out.read_text())
-    peak = report["peak_pages_unbounded"]
-    assert [r["max_pages"] for r in report["budgets"]] == [peak, -(-peak // 2)]
-    for row in report["budgets"]:
+    summary = json.loads(out.read_text())["summary"]
+    peak = summary["peak_pages_unbounded"]
+    assert [r["max_pages"] for r in summary["budgets"]] == [peak, -(-peak // 2)]
+    for row in summary["budgets"]:
         assert row["median"]["peak_pages"] <= row["max_pages"]
 
 
@@ -300,11 +300,11 @@ def test_shape_stable_bench(tiny_dir, tmp_path):
     """bench-shape-stable on the tiny checkpoint: the 3-step ladder compiles at most three
     prefill widths, nothing on the second pass, and generates the eager model's tokens."""
     out = tmp_path / "shape.json"
-    cmd = [sys.executable, str(BENCHES / "shape_stable.py"), "--model", str(tiny_dir)]
+    cmd = [sys.executable, "-m", "benches", "shape-stable", "--model", str(tiny_dir)]
     cmd += ["--chunk-width", "32", "--new-tokens", "2", "--no-speeds", "--json-output", str(out)]
     cmd += ["--configs", "eager", "3 steps, cap 4", "no padding, cap 4"]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
-    configs = json.loads(out.read_text())["configs"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300, cwd=BENCHES.parent)
+    configs = json.loads(out.read_text())["summary"]["configs"]
     three = configs["3 steps, cap 4"]
     assert len(three["prefill_widths"]) <= 3 and three["second_pass_compiles"] == 0
     assert three["tokens_equal_eager"] and configs["no padding, cap 4"]["tokens_equal_eager"]

@@ -31,7 +31,7 @@ TOOLS = {
     "main": ["main.py"],
     "batch-main": ["batch-main.py", "--num-prompts", "2", "--max-seq-len", "96", "--plain"],
     "bench": [
-        "benches/chunked_prefill.py",
+        "-m", "benches", "chunked-prefill",
         "--num-seqs", "2", "--prefill-steps", "16", "--repeats", "1", "--warmup", "0",
         "--min-input-len", "8", "--max-input-len", "24",
         "--min-output-len", "2", "--max-output-len", "2", "--no-plot",
@@ -272,28 +272,28 @@ ENTRY_POINTS = {
     "main": ["main.py", "--max-tokens", "2"],
     "batch-main": ["batch-main.py", "--num-prompts", "2", "--max-seq-len", "96", "--plain"],
     "serve": ["serve.py", "--port", "0", "--max-seq-len", "96"],
-    "bench-chunked-prefill": ["benches/chunked_prefill.py"],
-    "bench-flash-attention": ["benches/flash_attention.py", "--no-openblas"],
-    "bench-model": ["benches/model.py", "--no-openblas"],
-    "bench-prefix-cache": ["benches/prefix_cache.py"],
-    "bench-quantization": ["benches/quantization.py"],
-    "bench-serving-overhead": ["benches/serving_overhead.py"],
-    "bench-token-delivery": ["benches/token_delivery.py"],
-    "bench-shape-stable": ["benches/shape_stable.py"],
-    "bench-speculative": ["benches/speculative.py"],
-    "bench-tensor-parallel": ["benches/tensor_parallel.py"],
-    "bench-long-context": ["benches/long_context.py", "--no-openblas"],
-    "bench-moe": ["benches/moe.py", "--no-openblas"],
-    "bench-serving": ["benches/serving.py", "--servers", "tiny-llm", "--no-openblas"],
+    "bench-chunked-prefill": ["benches.chunked_prefill"],
+    "bench-flash-attention": ["benches.flash_attention", "--no-openblas"],
+    "bench-model": ["benches.model", "--no-openblas"],
+    "bench-prefix-cache": ["benches.prefix_cache"],
+    "bench-quantization": ["benches.quantization"],
+    "bench-serving-overhead": ["benches.serving_overhead"],
+    "bench-token-delivery": ["benches.token_delivery"],
+    "bench-shape-stable": ["benches.shape_stable"],
+    "bench-speculative": ["benches.speculative"],
+    "bench-tensor-parallel": ["benches.tensor_parallel"],
+    "bench-long-context": ["benches.long_context", "--no-openblas"],
+    "bench-moe": ["benches.moe", "--no-openblas"],
+    "bench-serving": ["benches.serving", "--servers", "tiny-llm", "--no-openblas"],
 }
 ALL = ("main", "batch-main", "serve")
 SERVERS = ("batch-main", "serve")  # the scheduler's flags
 RANKS = ("main", "batch-main")  # --tp
 BENCHES = tuple(name for name in ENTRY_POINTS if name.startswith("bench-"))
-# the benchmarks that check a checkpoint's --model before their first run (bench-tensor-parallel
-# takes a shape's name, bench-moe has its own fixed shape), and those of them that read its
-# weights (bench-quantization takes only its shape, with random weights)
-NO_CHECKPOINT = ("bench-moe", "bench-tensor-parallel")
+# the benchmarks that check a checkpoint's --model before their first run (bench-moe has its own
+# fixed shape), and those of them that read its weights (bench-quantization takes only its
+# shape, with random weights)
+NO_CHECKPOINT = ("bench-moe",)
 BENCH_MODELS = tuple(b for b in BENCHES if b not in NO_CHECKPOINT)
 BENCH_WEIGHTS = tuple(b for b in BENCH_MODELS if b != "bench-quantization")
 
@@ -387,11 +387,14 @@ def each(table: list, kind: str) -> list:
 
 @pytest.fixture(scope="module")
 def entry_points() -> dict:
-    """Each entry point's script loaded as a module (their names have dashes; a benchmark
-    imports its siblings by name, so their folder goes on sys.path)."""
-    sys.path.insert(0, str(ROOT / "benches"))
+    """Each entry point's script loaded as a module (their names have dashes); a benchmark is
+    the module benches.NAME."""
+    sys.path.insert(0, str(ROOT))
     modules = {}
     for name, (script, *_) in ENTRY_POINTS.items():
+        if script.startswith("benches."):
+            modules[name] = importlib.import_module(script)
+            continue
         spec = importlib.util.spec_from_file_location(
             name.replace("-", "_") + "_script", ROOT / script
         )
@@ -400,8 +403,9 @@ def entry_points() -> dict:
         spec.loader.exec_module(modules[name])
     yield modules
     for module in modules.values():
-        sys.modules.pop(module.__name__, None)
-    sys.path.remove(str(ROOT / "benches"))
+        if not module.__name__.startswith("benches."):
+            sys.modules.pop(module.__name__, None)
+    sys.path.remove(str(ROOT))
 
 
 def argument(text: str, good: Path, tmp_path: Path) -> str:
@@ -630,12 +634,12 @@ def test_ctrl_c_stops_every_tensor_parallel_rank(tmp_path):
 # processes gone and no output written.
 
 SIGNALS = [
-    (["benches/flash_attention.py", "--no-openblas", "--lengths", "256", "--contexts", "128",
+    (["-m", "benches", "flash-attention", "--no-openblas", "--lengths", "256", "--contexts", "128",
       "--batches", "1", "--num-layers", "1", "--repeats", "1000", "--json-output", "%out.json"],
      signal.SIGTERM, 3),
-    (["benches/shape_stable.py", "--model", "tiny", "--json-output", "%out.json"],
+    (["-m", "benches", "shape-stable", "--model", "tiny", "--json-output", "%out.json"],
      signal.SIGINT, "child"),
-    (["benches/quantization.py", "--model", "tiny", "--contexts", "256", "--parts", "agreement",
+    (["-m", "benches", "quantization", "--model", "tiny", "--contexts", "256", "--parts", "agreement",
       "--agreement-tokens", "1000", "--json-output", "%out.json"], signal.SIGINT, 3),
     (["scripts/train-tiny.py", "--out", "%out"], signal.SIGTERM, 3),
     (["scripts/dev-tools.py", "check-course", "--week", "1", "--day", "1"],
@@ -644,7 +648,9 @@ SIGNALS = [
 
 
 @pytest.mark.parametrize(
-    "command, sig, when", SIGNALS, ids=[f"{c[0]}-{s.name}" for c, s, _ in SIGNALS]
+    "command, sig, when",
+    SIGNALS,
+    ids=[f"{c[2] if c[0] == '-m' else c[0]}-{s.name}" for c, s, _ in SIGNALS],
 )
 def test_signals_end_every_command_quietly_and_clean(tmp_path, command, sig, when):
     tmp = str(tmp_path / "tmp")
