@@ -243,21 +243,31 @@ def run_ranks(script, args: list[str], out_dir, ranks: int = 2, timeout: float =
     return found
 
 
-def rank_check_problems(script, args: list[str], out_dir, names: list[str]) -> list[str]:
-    """Run a rank script's checks on two ranks (run_ranks) and return one line per check that
-    failed on a rank. Skips (fails under TINY_LLM_REQUIRE_RANKS=1) where ranks cannot start;
-    fails at once when a rank died or did not run every check in `names`."""
+def rank_check_problems(
+    script, args: list[str], out_dir, names: list[str], ranks: int = 2, timeout: float = 240
+) -> list[str]:
+    """Run a rank script's checks on `ranks` ranks (run_ranks) and return one line per check
+    that failed on a rank. Skips (fails under TINY_LLM_REQUIRE_RANKS=1) where ranks cannot
+    start; fails at once when a rank died, hung in a check or did not run every check in
+    `names`."""
     try:
-        found = run_ranks(script, args, out_dir, 2, timeout=240)
+        found = run_ranks(script, args, out_dir, ranks, timeout=timeout)
     except FileNotFoundError as e:  # no mlx.launch
         ranks_cannot_start(str(e))
     problems = []
-    for rank in (0, 1):
+    for rank in range(ranks):
         report = found[rank] or {}
         if report.get("init_error"):
             ranks_cannot_start(report["init_error"])
         if report.get("died"):
             pytest.fail(f"rank {rank} died: {report['died']}\n{found['output']}", pytrace=False)
+        if report.get("running"):
+            pytest.fail(
+                f"rank {rank} never finished {report['running']}: it waits in a collective that "
+                "no other rank matches (a recv whose shape or sender differs from the send, or a "
+                f"rank that skipped a collective the others run)\n{found['output']}",
+                pytrace=False,
+            )
         checks = report.get("checks", {})
         missing = [name for name in names if name not in checks]
         if missing:

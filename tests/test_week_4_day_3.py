@@ -181,6 +181,12 @@ def test_abort_in_any_state_returns_its_slot_and_pages_at_once(
                 assert all(r is not request for r in engine.scheduler.pending), (
                     f"an aborted {state} request must leave the queue"
                 )
+                rows = [c for c in engine.scheduler.batch_cache for c in c.slots]
+                assert not any(c is layer for c in rows for layer in request.kv_cache), (
+                    f"an aborted {state} request must leave the batch caches too, not only "
+                    "scheduler.slots (Scheduler.vacate): the next request given its slot would "
+                    "find it taken"
+                )
         for out in engine.step():
             texts[out.request_id].append(out)
         steps += 1
@@ -194,6 +200,28 @@ def test_abort_in_any_state_returns_its_slot_and_pages_at_once(
             )
     assert_all_pages_free(pools, "every request has ended")
     assert engine.stats()["requests_aborted"] == 1
+
+
+def test_abort_of_the_request_waiting_for_pages_forgets_it(impl, model, tokenizer, prompts):
+    pools = model.create_kv_pools(page_size=4, max_pages=8)
+    engine = engine_for(impl, model, tokenizer, pools, "hybrid", prefill_step=4)
+    for p in prompts:
+        engine.add_request(p, greedy(impl))
+    for _ in range(200):
+        waiting = engine.scheduler.waiting
+        if waiting is not None and any(r is waiting for r in engine.scheduler.pending):
+            break
+        engine.step()
+    else:
+        raise AssertionError("no request waited for pages in 200 steps: admission ignores the pool")
+    rid = next(rid for rid, stream in engine.streams.items() if stream.request is waiting)
+    engine.abort(rid)
+    assert engine.scheduler.waiting is None, (
+        "remove() of the request waiting for pages must clear scheduler.waiting: the scheduler "
+        "keeps no reference to a request it no longer holds"
+    )
+    run_until_idle(engine)
+    assert_all_pages_free(pools, "every request has ended")
 
 
 def rid_alive(engine, rid):
@@ -338,14 +366,19 @@ def test_a_stop_string_split_across_tokens_ends_the_request_and_is_never_sent(im
     assert engine.stats()["running"] == 0
 
 
-def test_text_that_only_looks_like_a_stop_is_sent_in_the_end(impl, chat):
+@pytest.mark.parametrize("where", ["middle", "end"])
+def test_text_that_only_looks_like_a_stop_is_sent_in_the_end(impl, chat, where):
     model, tokenizer, prompt = chat
     tokens = alone(impl, model, prompt, impl.SamplingParams(max_tokens=60), tokenizer.eos_token_ids)
     full = tokenizer.decode(tokens).removesuffix("<|im_end|>")
-    stop = full[10:16] + "\u2603"  # its first six characters occur, the whole never does
+    # its first characters occur (in the middle, or as the answer's last ones), the whole never
+    stop = (full[10:16] if where == "middle" else full[-4:]) + "\u2603"
     outputs, _, _ = stream_with_stop(impl, chat, [stop])
-    assert "".join(out.text for out in outputs) == full, (
-        "held-back text that turned out not to be a stop string must be sent when the request ends"
+    sent = "".join(out.text for out in outputs)
+    assert sent == full, (
+        f"held-back text that turned out not to be a stop string ({where}) must be sent when the "
+        f"request ends, in its last output: sent {sent[-20:]!r} where the answer ends "
+        f"{full[-20:]!r}"
     )
     held = [out for out in outputs if out.token_ids and not out.text]
     assert held, "while the text may still become the stop string, nothing of it is sent"
@@ -364,6 +397,11 @@ def test_a_character_split_across_tokens_is_never_sent_half(
     engine = engine_for(impl, model, tokenizer)
     rid = engine.add_request(prompts[0], impl.SamplingParams(max_tokens=len(script), seed=1))
     outputs = run_until_idle(engine)
+    tokens = [t for out in outputs if out.request_id == rid for t in out.token_ids]
+    assert tokens == script, (
+        f"the request's own sampler was not used: it plays {script}, the engine generated "
+        f"{tokens} (each row must be drawn by its request's SamplingParams.sampler(), not argmax)"
+    )
     texts = [out.text for out in outputs if out.request_id == rid]
     assert all("\ufffd" not in t for t in texts), f"half a character was sent: {texts}"
     assert "".join(texts) == "é😀 ok é"

@@ -38,6 +38,10 @@ def module(impl):
 
 def test_lookup_copies_what_followed_the_latest_occurrence(impl):
     context = [1, 2, 3, 9, 4, 1, 2, 3, 7, 5, 8, 1, 2, 3]
+    assert impl.lookup(context, 3, 2) != [], (
+        "no guess for [1, 2, 3], which occurred twice before: the tail itself always matches "
+        "and nothing follows it, so look only at occurrences that start before it"
+    )
     assert impl.lookup(context, 3, 2) == [7, 5], (
         "the last 3 tokens [1, 2, 3] occurred twice before: propose what followed the latest "
         "occurrence (at index 5), not the first"
@@ -59,19 +63,37 @@ def test_a_draft_with_another_vocabulary_is_refused(impl, model, tmp_path):
 
 def test_a_greedy_draft_guesses_its_own_greedy_continuation(impl, model, tokenizer):
     """The target as its own draft, greedy: the guesses are the model's greedy continuation,
-    each guess run through the draft to get the next one's logits."""
+    each guess run through the draft to get the next one's logits; for a request already
+    prefilled too (its own cache holds the prompt, the draft's cache nothing yet)."""
     prompt = [5, 9, 13, 200, 44, 7]
     cache, inputs, want = model.create_kv_cache(), prompt, []
-    for _ in range(3):
+    for _ in range(4):
         logits = model(mx.array([inputs]), cache[0].offset, cache, logits_to_keep=1)
         want.append(mx.argmax(logits[0, -1]).item())
         inputs = want[-1:]
-    assert len(set(want)) > 1, f"the continuation {want} should not repeat one token (test setup)"
+    assert len(set(want[:3])) > 1, f"the continuation {want} should not repeat one token"
     request = impl.Request(model, tokenizer, prompt)
     draft = impl.DraftModel(model, model, 3).propose(request, 3)
-    assert draft.tokens == want, (
-        f"guesses {draft.tokens}, the model's greedy continuation {want}: after each guess, run "
-        "it through the draft (at its cache's offset) and take the argmax of those logits"
+    assert draft.tokens == want[:3], (
+        f"guesses {draft.tokens}, the model's greedy continuation {want[:3]}: after each guess, "
+        "run it through the draft (at its cache's offset) and take the argmax of those logits"
+    )
+    request.release()
+    request = impl.Request(model, tokenizer, prompt)
+    while not request.is_prefill_done:  # its first token comes with the prefill's last chunk
+        request.try_prefill()
+    try:
+        draft = impl.DraftModel(model, model, 3).propose(request, 3)
+    except ValueError as e:
+        raise AssertionError(
+            f"propose failed for a request whose own cache holds {request.offset} tokens: {e}. "
+            "The draft has a cache of its own, empty at first: run the context through the "
+            "draft from the draft cache's offset, not the request's"
+        ) from e
+    done = len(request.generated)
+    assert draft.tokens == want[done : done + 3], (
+        f"guesses {draft.tokens} after a prefilled request's {request.generated}, the greedy "
+        f"continuation {want[done : done + 3]}: the context is the prompt and the tokens generated"
     )
     request.release()
 
@@ -364,7 +386,10 @@ def test_decode_events_count_every_token_a_pass_generates(impl, model, tokenizer
     got = serve_greedy(engine, prompts, 14)
     reported = sum(e.tokens for e in events if e.kind == "decode")
     decoded = sum(len(tokens) - 1 for tokens in got.values())
-    assert engine.stats()["tokens_accepted"] > 0, "prompt lookup was meant to guess (test setup)"
+    assert engine.stats()["tokens_accepted"] > 0, (
+        "prompt lookup kept no guess on prompts that repeat themselves: is every decoding "
+        "request's draft sent into the pass, and are agreeing guesses accepted?"
+    )
     assert reported == decoded, (
         f"the decode events count {reported} tokens, the requests decoded {decoded} after "
         "their first: keep_checked returns the tokens generated (kept guesses and the model's "
@@ -390,9 +415,23 @@ def test_acceptance_counters_are_exact(impl, model, tokenizer, prompts):
     )
 
 
-def test_eos_inside_the_kept_guesses_ends_the_request_there(impl, model, tokenizer, prompts):
-    plain = serve_greedy(make_engine(impl, model, tokenizer, None), prompts, 20)
-    eos = plain[0][6]  # a token the first prompt generates in the middle of its answer
+def a_late_new_token(impl, model, tokenizer) -> tuple[list[int], int, int]:
+    """A prompt, and a token its greedy answer makes for the first time at place 2..8, and that
+    place: made the EOS, it ends the answer inside a pass of 8 guesses that all agree. (The
+    synthetic model mostly repeats one token, so the prompt is searched for, from one seed.)"""
+    rng = random.Random(0)
+    for _ in range(20):
+        batch = [[rng.randrange(3, 200) for _ in range(rng.randrange(5, 30))] for _ in range(3)]
+        plain = serve_greedy(make_engine(impl, model, tokenizer, None), batch, 10)
+        for i, out in plain.items():
+            for place in range(2, 9):
+                if out[place] not in out[:place]:
+                    return batch[i], out[place], place
+    raise AssertionError("no greedy answer of 60 prompts makes a new token at place 2..8")
+
+
+def test_eos_inside_the_kept_guesses_ends_the_request_there(impl, model, tokenizer):
+    prompt, eos, place = a_late_new_token(impl, model, tokenizer)
 
     class WithEos:
         def __init__(self, tokenizer):
@@ -403,19 +442,23 @@ def test_eos_inside_the_kept_guesses_ends_the_request_there(impl, model, tokeniz
 
     params = impl.SamplingParams(max_tokens=20)
     ends = {}
-    for speculative in (None, impl.PromptLookup(8)):
+    # the model as its own draft agrees with every guess: the EOS is one of 8 tokens kept at once
+    for name, speculative in [("plain", None), ("lookup-k8", impl.PromptLookup(8)),
+                              ("draft-same-k8", impl.DraftModel(model, model, 8))]:  # fmt: skip
         engine = make_engine(impl, model, WithEos(tokenizer), speculative)
-        rids = [engine.add_request(p, params) for p in prompts]
-        got = {rid: [] for rid in rids}
+        engine.add_request(prompt, params)
+        got = []
         while engine.has_work:
             for out in engine.step():
-                got[out.request_id] += out.token_ids
-        ends[speculative is None] = [got[rid] for rid in rids]
-    assert ends[False] == ends[True], (
-        "with speculation a request must end at its first EOS, even when it is one of several "
-        "tokens kept in one pass: the tokens after it are dropped"
-    )
-    assert ends[True][0][-1] == eos
+                got += out.token_ids
+        ends[name] = got
+    assert len(ends["plain"]) == place + 1 and ends["plain"][-1] == eos
+    for name in ("lookup-k8", "draft-same-k8"):
+        assert ends[name] == ends["plain"], (
+            f"{name}: with speculation a request must end at its first EOS, even when it is one "
+            "of several tokens kept in one pass: stop accepting at the token that ends the "
+            f"request and drop the ones after it\n{name}: {ends[name]}\nplain: {ends['plain']}"
+        )
 
 
 def test_sampled_speculation_runs_and_frees_every_page(impl, model, tokenizer, prompts):

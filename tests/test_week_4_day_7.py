@@ -271,12 +271,25 @@ def test_split_and_a_group_of_one(impl, win_ckpt, tiny_gqa_ckpt):
 
 
 def test_two_ranks_equal_one(impl, tmp_path_factory):
-    """tests/tp_ranks.py --checks ring under mlx.launch: ring prefill of a prompt split in two
-    equals one-process prefill, the greedy decode after it gives the same tokens, and each rank
-    holds only its part's keys and values."""
+    """tests/tp_ranks.py --checks ring under mlx.launch: ring attention and merge_ranks alone on
+    a random batch of two against MLX's fused attention; ring prefill of a prompt split in two
+    equals one-process prefill, the decode after it gives the same logits and tokens, and each
+    rank holds only its part's keys and values."""
     tmp = tmp_path_factory.mktemp("ring-ranks")
     args = ["--impl", impl.__name__, "--out", str(tmp), "--checks", "ring"]
     args += ["--ckpt", str(make_tiny_checkpoint(tmp / "tiny", seed=0))]
     names = [check.__name__ for check in tp_ranks.RING_CHECKS]
     problems = rank_check_problems(Path(tp_ranks.__file__), args, tmp, names)
+    assert not problems, "\n\n".join(problems)
+
+
+def test_three_ranks_equal_one(impl, tmp_path_factory):
+    """tests/tp_ranks.py --checks ring3 on three ranks (11 tokens split 4/4/3): a block travels
+    two steps, so passing on your own block instead of the one received, labelling a block with
+    the wrong part or asking recv for the wrong shape all fail here, where two ranks hide them."""
+    tmp = tmp_path_factory.mktemp("ring-3-ranks")
+    args = ["--impl", impl.__name__, "--out", str(tmp), "--checks", "ring3"]
+    args += ["--ckpt", str(make_tiny_checkpoint(tmp / "tiny", seed=0))]
+    names = [check.__name__ for check in tp_ranks.RING_CHECKS_3]
+    problems = rank_check_problems(Path(tp_ranks.__file__), args, tmp, names, 3, timeout=120)
     assert not problems, "\n\n".join(problems)

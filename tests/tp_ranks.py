@@ -6,6 +6,7 @@ run by every rank under mlx.launch.
     mlx.launch ... tests/tp_ranks.py --impl tiny_llm_ref --out DIR --ckpt MOE_DIR
         --ckpt-odd-experts DIR --checks moe
     mlx.launch ... tests/tp_ranks.py --impl tiny_llm_ref --out DIR --ckpt DIR --checks ring
+    mlx.launch -n 3 ... tests/tp_ranks.py ... --checks ring3   (the ring on three ranks)
 
 Each rank runs every check in CHECKS, in the same order, and after each one writes what it
 found to DIR/rank<r>.json: {check: null when it passed, else the error text}. A check first
@@ -116,7 +117,9 @@ def check_linears(r: Ranks) -> None:
     assert tuple(column.weight.shape) == (12 // r.n, 8), "column-parallel keeps [O / N, I]"
     assert tuple(row.weight.shape) == (12, 8 // r.n), "row-parallel keeps [O, I / N]"
     close(column_out, full[:, outputs], f"column-parallel output of rank {r.rank}")
-    close(row_out, full, "row-parallel output (summed over the ranks)")
+    partial = x[:, part] @ row.weight.T  # this rank's product before the all_sum
+    problem = reduction_bug(row_out, full, partial, r.n, "the row-parallel output")
+    assert problem is None, problem
 
 
 def check_linear_errors(r: Ranks) -> None:
@@ -432,7 +435,108 @@ def check_ring_decode(r: Ranks) -> None:
     )
 
 
-RING_CHECKS = [check_ring_prefill, check_ring_holds_its_part, check_ring_decode]
+def check_ring_decode_logits(r: Ranks) -> None:
+    """Four decode steps after the ring prefill: each step's logits equal one process's, not
+    only its greedy token (a merge that adds the ranks' sums without rescaling them to a common
+    maximum can keep the argmax of a tiny model and still be wrong)."""
+    caches, _ = r.impl.ring_prefill(r.full, r.ids, r.group)
+    whole = r.full.create_kv_cache()
+    want = [r.full(mx.array([r.ids]), 0, whole)[:, -1, :]]
+    got = []
+    for i in range(4):  # every rank runs every step before any comparison
+        token, position = mx.argmax(want[-1][0]).item(), len(r.ids) + i
+        got.append(r.full(mx.array([[token]]), position, caches)[:, -1, :])
+        want.append(r.full(mx.array([[token]]), position, whole)[:, -1, :])
+        mx.eval(got[-1], want[-1])
+    for i, (g, w) in enumerate(zip(got, want[1:])):
+        close(
+            g,
+            w,
+            f"decode step {i + 1} after the ring prefill, logits vs one process ({MERGE_HINT})",
+        )
+
+
+# --- the ring's two tasks alone, batch 2, on random inputs (2 and 3 ranks) ------------------------
+
+RING_SHAPE = (2, 4, 2, 10, 8)  # batch, query heads, KV heads, tokens, head dim (4/3/3 on 3)
+MERGE_HINT = (
+    "merge_ranks: all_gather each of max, sum and output with a new leading axis (x[None]) so "
+    "that gathered[r] is rank r's whole partial, then merge them with merge_partials, which "
+    "rescales every sum and output to the common maximum before adding"
+)
+
+
+def ring_inputs() -> tuple[mx.array, mx.array, mx.array]:
+    """Queries, keys and values [B, H, T, D] of a whole sequence, the same on every rank (one
+    seed). Keys grow along the sequence, so that each part's scores have a different maximum."""
+    b, h_q, h_kv, t, d = RING_SHAPE
+    mx.random.seed(7)
+    q = mx.random.normal((b, h_q, t, d))
+    k = mx.random.normal((b, h_kv, t, d)) * mx.linspace(0.5, 4.0, t)[:, None]
+    return q, k, mx.random.normal((b, h_kv, t, d))
+
+
+def check_ring_attention_batch2(r: Ranks) -> None:
+    """ring_prefill_attention on this rank's part of a random batch of two equals the rows of
+    MLX's fused causal attention over the whole sequence (on 3 ranks every block travels two
+    steps, and the parts differ in length)."""
+    q, k, v = ring_inputs()
+    parts = r.impl.split_sequence(q.shape[2], r.n)
+    start, stop = parts[r.rank]
+    got = r.impl.ring_prefill_attention(
+        q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], r.group, parts
+    )
+    mx.eval(got)
+    scale = q.shape[-1] ** -0.5
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal")
+    close(
+        got, want[:, :, start:stop],
+        f"ring_prefill_attention on {r.n} ranks, rank {r.rank}'s part {start}..{stop - 1}, batch "
+        "2, vs fused causal attention (pass on the block you received in the last step, not your "
+        "own; the block of step s comes from rank (r - s) % n, so recv its part's shape; merge it "
+        "only when that part comes before yours)",
+    )  # fmt: skip
+
+
+def check_merge_ranks_batch2(r: Ranks) -> None:
+    """The last query of a random batch of two, each rank's partial over its own part of the
+    keys, merged by merge_ranks: the fused attention over every key. A merge that adds the
+    ranks' sums without rescaling is named as such."""
+    q, k, v = ring_inputs()
+    b, h_q, h_kv, t, d = RING_SHAPE
+    ring = importlib.import_module(f"{r.impl.__name__}.ring_attention")  # its given helpers
+    g = ring.grouped_queries(q[:, :, -1:], h_kv)  # [B, H_kv, n_rep, 1, D]
+    parts = ring.split_sequence(t, r.n)
+    partials = [ring.blocked_partial(g, k[:, :, a:z], v[:, :, a:z], t - 1, a) for a, z in parts]
+    merged = ring.merge_ranks(partials[r.rank], r.group)
+    mx.eval(merged)
+    shapes, want_shapes = [x.shape for x in merged], [x.shape for x in partials[r.rank]]
+    assert shapes == want_shapes, (
+        f"merge_ranks returned shapes {shapes}, a rank's partial has {want_shapes}: all_gather "
+        "concatenates along the first axis, so gather x[None] (a new leading axis) and take "
+        "gathered[r]; without it a batch of two mixes ranks and rows"
+    )
+    got = ring.finish(merged).reshape(b, h_q, 1, d)
+    want = mx.fast.scaled_dot_product_attention(q[:, :, -1:], k, v, scale=d**-0.5)
+    unscaled = sum(p[2] for p in partials) / sum(p[1] for p in partials)  # the slip
+    if np.allclose(np.array(got), np.array(unscaled.reshape(b, h_q, 1, d)), atol=ATOL):
+        raise AssertionError(
+            "merge_ranks added the ranks' sums and outputs as they are: each rank's sum and "
+            "output is relative to its own maximum, so rescale them to the common maximum "
+            "first (merge_partials does)"
+        )
+    close(got, want, f"merge_ranks on {r.n} ranks, batch 2, vs fused attention ({MERGE_HINT})")
+
+
+RING_CHECKS = [
+    check_ring_attention_batch2,
+    check_merge_ranks_batch2,
+    check_ring_prefill,
+    check_ring_holds_its_part,
+    check_ring_decode,
+    check_ring_decode_logits,
+]
+RING_CHECKS_3 = [check_ring_attention_batch2, check_merge_ranks_batch2, check_ring_prefill]
 
 MOE_CHECKS = [
     check_experts_split,
@@ -492,7 +596,8 @@ def run_checks(args: argparse.Namespace, group, report: Report) -> None:
     except Exception as e:  # no model can be built yet (an earlier stub): every check fails
         ranks, setup_error = None, error_text(e)
     found: dict[str, str | None] = {}
-    checks = {"tp": CHECKS, "moe": MOE_CHECKS, "ring": RING_CHECKS}[args.checks]
+    checks = {"tp": CHECKS, "moe": MOE_CHECKS, "ring": RING_CHECKS, "ring3": RING_CHECKS_3}
+    checks = checks[args.checks]
     for check in checks:
         report.write(running=check.__name__)
         if args.die_on_rank == group.rank():
@@ -518,7 +623,7 @@ def main() -> int:
         p.add_argument(name, required=True)
     for name in ("--ckpt-kv1", "--ckpt-odd-mlp", "--ckpt-odd-experts"):
         p.add_argument(name)
-    p.add_argument("--checks", choices=("tp", "moe", "ring"), default="tp")
+    p.add_argument("--checks", choices=("tp", "moe", "ring", "ring3"), default="tp")
     p.add_argument(
         "--die-on-rank", type=int, help="for the tests of this harness: that rank raises"
     )

@@ -107,6 +107,12 @@ class Scheduler:
             self.admissions += 1
             request.admitted = self.admissions
             cached = reuse_prefix(request) if shares_prefix(request) else 0
+            if cached >= len(request.prefill_tokens):
+                raise RuntimeError(
+                    f"reuse_prefix found all {cached} prompt tokens cached: match at most "
+                    "len(prompt) - 1 tokens, since the last one is always computed (its logits "
+                    "give the next token)"
+                )
             if first:
                 request.cached_tokens = cached
             self.report("admit", request, cached)
