@@ -1,4 +1,5 @@
-"""Developer commands behind `pdm run test`, `test-refsol`, `make-skeleton` and `check-course`.
+"""Developer commands behind `pdm run test`, `test-refsol`, `make-skeleton`, `start-at` and
+`check-course`.
 
 Ctrl-C and SIGTERM end every command with one line (`interrupted`, status 130; `terminated`,
 143); check-course first stops the pytest runs it started and removes its temporary copies.
@@ -152,6 +153,41 @@ def cmd_make_skeleton(args: argparse.Namespace) -> int:
     print(
         f"make-skeleton: src/tiny_llm/ holds {len(files)} modules generated from src/tiny_llm_ref/"
     )
+    return 0
+
+
+def cmd_start_at(args: argparse.Namespace) -> int:
+    """src/tiny_llm/ ready to start at day W.D: the reference's body in every task of an
+    earlier day, a stub in every task from W.D on. A module the student changed (not what
+    make-skeleton or start-at at some day would write) is refused, all or nothing, unless
+    --force."""
+    start, days = (args.week, args.day), day_files()
+    if start not in days:
+        have = ", ".join(f"{w}.{d}" for w, d in days)
+        sys.exit(f"error: there is no day {args.week}.{args.day}; the days are {have}")
+    try:
+        ours = [generate_skeleton(stub=lambda t, d=day: max(task_days(t)) >= d) for day in days]
+        wanted = ours[list(days).index(start)]
+    except MarkerError as e:
+        sys.exit(f"error: {e}")
+    target = SRC / "tiny_llm"
+    current = {n: (target / n).read_text(encoding="utf-8") for n in wanted if (target / n).exists()}
+    to_write = [n for n, text in wanted.items() if current.get(n) != text]
+    yours = [n for n in to_write if n in current and all(current[n] != o[n] for o in ours)]
+    if yours and not args.force:
+        for name in yours:
+            print(
+                f"src/tiny_llm/{name} holds your own changes: --force replaces it", file=sys.stderr
+            )
+        print("start-at: nothing written", file=sys.stderr)
+        return 1
+    for name in to_write:
+        (target / name).write_text(wanted[name], encoding="utf-8")
+    print(f"start-at {args.week}.{args.day}: the tasks of every day before it hold the reference's")
+    print(
+        f"code, the rest are stubs; {len(to_write)} modules written: {', '.join(to_write) or '-'}"
+    )
+    print(f"next: pdm run test --week {args.week} --day {args.day}")
     return 0
 
 
@@ -459,6 +495,10 @@ def main() -> int:
         p.add_argument("--week", type=int)
         p.add_argument("--day", type=int)
     sub.choices["test"].add_argument("--ref", action="store_true", help="test tiny_llm_ref")
+    p = sub.add_parser("start-at", help="fill src/tiny_llm/ to start the course at a day")
+    p.add_argument("--week", type=int, required=True)
+    p.add_argument("--day", type=int, required=True)
+    p.add_argument("--force", action="store_true", help="replace modules you changed")
     # everything dev-tools does not know goes to pytest, with or without a "--" before it
     # (pdm run swallows the first "--")
     args, extra = parser.parse_known_args()
@@ -469,6 +509,8 @@ def main() -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "make-skeleton":
         return cmd_make_skeleton(args)
+    if args.command == "start-at":
+        return cmd_start_at(args)
     return cmd_check_course(args)
 
 
