@@ -400,7 +400,9 @@ def test_a_character_split_across_tokens_is_never_sent_half(
     tokens = [t for out in outputs if out.request_id == rid for t in out.token_ids]
     assert tokens == script, (
         f"the request's own sampler was not used: it plays {script}, the engine generated "
-        f"{tokens} (each row must be drawn by its request's SamplingParams.sampler(), not argmax)"
+        f"{tokens}. Each token must be drawn by its request's sampler, not taken as the argmax: "
+        "sample_rows calls it, and your Week 3 decode_step, try_prefill and hybrid_step must "
+        "pick their tokens with pick_tokens"
     )
     texts = [out.text for out in outputs if out.request_id == rid]
     assert all("\ufffd" not in t for t in texts), f"half a character was sent: {texts}"
