@@ -171,7 +171,8 @@ class ExpertParallelMoE(Qwen3SparseMoE):
         # BEGIN TASK Week 4 Day 6, Task 5: run the pairs routed here, sum over the ranks
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         experts, weights = route(linear(flat, self.w_router), self.top_k, self.norm_topk_prob)
-        local = np.array(experts) - self.first  # [N, k], this rank's expert ids when in range
+        chosen = np.array(experts).astype(np.int64)  # [N, k], signed: uint32 ids would wrap
+        local = chosen - self.first  # this rank's expert ids when in range
         tokens, slots = np.nonzero((local >= 0) & (local < self.w_gate.shape[0]))
         out = mx.zeros(flat.shape, dtype=flat.dtype)
         if len(tokens):  # the pairs routed to this rank's experts, none of the others
