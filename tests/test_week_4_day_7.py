@@ -291,5 +291,5 @@ def test_three_ranks_equal_one(impl, tmp_path_factory):
     args = ["--impl", impl.__name__, "--out", str(tmp), "--checks", "ring3"]
     args += ["--ckpt", str(make_tiny_checkpoint(tmp / "tiny", seed=0))]
     names = [check.__name__ for check in tp_ranks.RING_CHECKS_3]
-    problems = rank_check_problems(Path(tp_ranks.__file__), args, tmp, names, 3, timeout=120)
+    problems = rank_check_problems(Path(tp_ranks.__file__), args, tmp, names, 3, timeout=180)
     assert not problems, "\n\n".join(problems)
