@@ -181,8 +181,8 @@ def test_abort_in_any_state_returns_its_slot_and_pages_at_once(
                 assert all(r is not request for r in engine.scheduler.pending), (
                     f"an aborted {state} request must leave the queue"
                 )
-                rows = [c for c in engine.scheduler.batch_cache for c in c.slots]
-                assert not any(c is layer for c in rows for layer in request.kv_cache), (
+                rows = [row for layer in engine.scheduler.batch_cache for row in layer.slots]
+                assert not any(row is mine for row in rows for mine in request.kv_cache), (
                     f"an aborted {state} request must leave the batch caches too, not only "
                     "scheduler.slots (Scheduler.vacate): the next request given its slot would "
                     "find it taken"

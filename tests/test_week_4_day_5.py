@@ -443,8 +443,12 @@ def test_eos_inside_the_kept_guesses_ends_the_request_there(impl, model, tokeniz
     params = impl.SamplingParams(max_tokens=20)
     ends = {}
     # the model as its own draft agrees with every guess: the EOS is one of 8 tokens kept at once
-    for name, speculative in [("plain", None), ("lookup-k8", impl.PromptLookup(8)),
-                              ("draft-same-k8", impl.DraftModel(model, model, 8))]:  # fmt: skip
+    speculations = {
+        "plain": None,
+        "lookup-k8": impl.PromptLookup(8),
+        "draft-same-k8": impl.DraftModel(model, model, 8),
+    }
+    for name, speculative in speculations.items():
         engine = make_engine(impl, model, WithEos(tokenizer), speculative)
         engine.add_request(prompt, params)
         got = []

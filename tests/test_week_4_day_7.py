@@ -284,9 +284,10 @@ def test_two_ranks_equal_one(impl, tmp_path_factory):
 
 
 def test_three_ranks_equal_one(impl, tmp_path_factory):
-    """tests/tp_ranks.py --checks ring3 on three ranks (11 tokens split 4/4/3): a block travels
-    two steps, so passing on your own block instead of the one received, labelling a block with
-    the wrong part or asking recv for the wrong shape all fail here, where two ranks hide them."""
+    """tests/tp_ranks.py --checks ring3 on three ranks (the tasks alone on 10 tokens split 4/3/3,
+    the prefill on 11 split 4/4/3): a block travels two steps, so passing on your own block
+    instead of the one received, labelling a block with the wrong part or asking recv for the
+    wrong shape all fail here, where two ranks hide them."""
     tmp = tmp_path_factory.mktemp("ring-3-ranks")
     args = ["--impl", impl.__name__, "--out", str(tmp), "--checks", "ring3"]
     args += ["--ckpt", str(make_tiny_checkpoint(tmp / "tiny", seed=0))]
