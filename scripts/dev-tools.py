@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import xml.etree.ElementTree as ET
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -323,6 +324,7 @@ class Runs:
 
 
 def run_day(path: Path, env: dict, workdir: Path) -> list[tuple[str, str | None]]:
+    """Run one test file in its own pytest process with `env`; its (test, failure) pairs."""
     xml = Path(tempfile.mkstemp(suffix=".xml", prefix=path.stem, dir=workdir)[1])
     xml.unlink()  # pytest writes it; a run that dies leaves none
     cmd = [
@@ -336,6 +338,8 @@ def run_day(path: Path, env: dict, workdir: Path) -> list[tuple[str, str | None]
         "no:cacheprovider",
         f"--junitxml={xml}",
     ]
+    if "TINY_LLM_STOP_WHEN_NAMED" in env:
+        cmd += ["-p", "stop_when_named"]  # scripts/stop_when_named.py, on PYTHONPATH
     if not Runs.run(cmd, {**env, "TMPDIR": str(workdir)}):  # what tests leave goes with workdir
         return [(path.name, "stopped")]
     if not xml.exists():
@@ -382,7 +386,8 @@ def task_days(task: str) -> set[tuple[int, int]]:
 
 def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> list[str]:
     """With every other task solved, each task alone left as a stub makes a test of its day
-    fail naming it: no task is out of the tests' reach, however far down a call chain."""
+    fail naming it: no task is out of the tests' reach, however far down a call chain. Each
+    run stops at the first failure that names its task."""
     runs, owners = [], []  # a run per (task, test file of its days); owners: its task
     for number, task in enumerate(tasks):
         paths = [days[d] for d in sorted(task_days(task)) if d in days]
@@ -392,7 +397,9 @@ def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> li
         (package / "tiny_llm").mkdir(parents=True)
         for name, text in generate_skeleton(stub=task.__eq__).items():
             (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
-        runs += [(path, env_with_path(package)) for path in paths]
+        env = {**env_with_path(package), "TINY_LLM_STOP_WHEN_NAMED": task}
+        env["PYTHONPATH"] += os.pathsep + str(ROOT / "scripts")
+        runs += [(path, env) for path in paths]
         owners += [task] * len(paths)
     failures: dict[str, list[str | None]] = {task: [] for task in owners}
     for task, cases in zip(owners, run_days(runs, workdir)):
@@ -408,10 +415,11 @@ def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> li
     return problems
 
 
-def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> list[str]:
+def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> tuple[list[str], dict]:
     """A student can do the days in order: with the tasks of every day up to D solved and all
     later ones stubs, day D's tests pass, or fail only on a task that day D itself names (a task
-    that spans two days, like chunking try_prefill, is a stub until its last day)."""
+    that spans two days, like chunking try_prefill, is a stub until its last day). Returns the
+    problems and the days where some test failed."""
     runs = []
     for (week, day), path in days.items():
         package = workdir / f"up-to-{week}-{day}"
@@ -420,12 +428,15 @@ def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> list[str
         for name, text in generate_skeleton(stub=lambda t, ok=solved: not ok(t)).items():
             (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
         runs.append((path, env_with_path(package)))
-    problems = []
+    problems, failed = [], {}
     for (week, day), cases in zip(days, run_days(runs, workdir)):
         print(f"  in order   week {week} day {day}: {len(cases)} tests", flush=True)
+        if not cases:
+            problems.append(f"{days[week, day].name} ran no tests")
         for name, failure in cases:
             if failure is None:
                 continue
+            failed[week, day] = days[week, day]
             named = [t for t in tasks if t in failure]
             if not named:
                 problems.append(
@@ -436,11 +447,14 @@ def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> list[str
                     f"week {week} day {day} in order: {name} reaches the later task {named[0]!r} "
                     "from given code or an earlier day's task"
                 )
-    return problems
+    return problems, failed
 
 
 def check_pasted_reference(days: dict, workdir: Path) -> list[str]:
-    """With the reference modules pasted into a copy of tiny_llm, every test passes."""
+    """With the reference modules pasted into a copy of tiny_llm, every test of `days` passes.
+    check-course passes only the days where a test failed in order: a day whose tests all
+    passed with the later days' tasks as stubs never ran those tasks, so pasting them in
+    changes nothing that day's tests reach."""
     copy = workdir / "pasted"
     shutil.copytree(SRC / "tiny_llm", copy / "tiny_llm")
     for module in (SRC / "tiny_llm_ref").glob("*.py"):
@@ -465,22 +479,28 @@ def cmd_check_course(args: argparse.Namespace) -> int:
     days = day_files()
     if args.week is not None:
         days = {k: v for k, v in days.items() if k[0] == args.week and args.day in (None, k[1])}
-    print("check-course: src/tiny_llm/ is the skeleton generated from the reference", flush=True)
+    started = time.monotonic()
+
+    def step(title: str) -> None:
+        print(f"check-course [{time.monotonic() - started:4.0f} s]: {title}", flush=True)
+
+    step("src/tiny_llm/ is the skeleton generated from the reference")
     problems, tasks = check_skeleton_is_generated()
-    print("check-course: API of tiny_llm against tiny_llm_ref", flush=True)
+    step("API of tiny_llm against tiny_llm_ref")
     problems += check_api()
     with tempfile.TemporaryDirectory() as tmp:
-        print("check-course: each day's tests on the untouched skeleton", flush=True)
+        step("each day's tests on the untouched skeleton")
         problems += check_skeleton(days, Path(tmp))
-        print("check-course: each task alone as a stub, its day's tests name it", flush=True)
+        step("each task alone as a stub, its day's tests name it")
         problems += check_each_task_is_tested(days, Path(tmp), tasks)
-        print("check-course: the days in order, later days' tasks left as stubs", flush=True)
-        problems += check_days_in_order(days, Path(tmp), tasks)
-        print("check-course: each day's tests with the reference pasted in", flush=True)
-        problems += check_pasted_reference(days, Path(tmp))
+        step("the days in order, later days' tasks left as stubs")
+        in_order, failed = check_days_in_order(days, Path(tmp), tasks)
+        problems += in_order
+        step("the reference pasted in, for the days where a test failed in order")
+        problems += check_pasted_reference(failed, Path(tmp))
     for problem in problems:
         print(f"  PROBLEM: {problem}")
-    print(f"check-course: {len(days)} days checked, {len(problems)} problems")
+    step(f"{len(days)} days checked, {len(problems)} problems")
     return 1 if problems else 0
 
 
