@@ -19,7 +19,6 @@ batch and method; summary: the ratios the chapter checks) and a PNG beside it.
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -30,10 +29,11 @@ from typing import Any
 import mlx.core as mx
 
 from benches import harness
+from benches import model_impls as impls
 from benches.harness import log
-from benches.model_impls import KV, MlxLmImpl, random_context
-from tiny_llm_support import CheckpointError, choose_device
-from tiny_llm_support.cli import DTYPES, int_at_least, load_solution, unfinished_message
+from benches.model_impls import KV
+from tiny_llm_support import choose_device
+from tiny_llm_support.cli import DTYPES, int_at_least, load_solution
 
 H_Q, H_KV, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
 DECODE_KINDS = ("paged-gather", "paged-in-place", "paged-in-place-per-request", "dense")
@@ -50,18 +50,15 @@ def peak_bytes(run: Callable[[], Any]) -> int:
 
 
 def take_turns(runs: dict[str, Callable], warmup: int, repeats: int, after: Callable[[str], None]):
-    """Seconds per call of every run; in each repeat every run goes once, the order rotated."""
-    names = list(runs)
-    for name in [n for n in names for _ in range(warmup)]:
+    """Seconds per call of every run, after `warmup` calls of each: in each repeat every run goes
+    once, in plan_runs' order (forward, then reversed)."""
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for r, _, name in harness.plan_runs(list(runs), warmup + repeats):
+        start = time.perf_counter()
         mx.eval(runs[name]())
-        after(name)
-    samples: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(repeats):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            start = time.perf_counter()
-            mx.eval(runs[name]())
+        if r >= warmup:
             samples[name].append(time.perf_counter() - start)
-            after(name)
+        after(name)
     return samples
 
 
@@ -95,13 +92,10 @@ def attention_rows(pkg, length: int, args: argparse.Namespace) -> list[dict[str,
     q = mx.random.normal((1, H_Q, length, HEAD_DIM), key=kq).astype(dtype)
     k, v = (mx.random.normal(shape, key=key).astype(dtype) for key in (kk, kv))
     mx.eval(q, k, v)
-    scale = 1.0 / math.sqrt(HEAD_DIM)
     runs = {"dense": lambda: pkg.scaled_dot_product_attention_grouped(q, k, v, mask="causal")}
     for size in args.block_sizes:
         runs[f"flash-{size}"] = lambda size=size: pkg.flash_attention(q, k, v, block_size=size)
-    runs["mx.fast"] = lambda: mx.fast.scaled_dot_product_attention(
-        q, k, v, scale=scale, mask="causal"
-    )
+    runs["mx.fast"] = lambda: impls.fast_attention(q, k, v, mask="causal")  # scale: 1 / sqrt(D)
     rows, score_bytes = [], H_Q * length * length * q.itemsize  # the [H_q, L, S] scores
     for name, (error, times) in measure(runs, "mx.fast", args).items():
         rows.append({"kind": "attention", "length": length, "method": name,
@@ -141,15 +135,10 @@ class CourseDecode:
             for pool in pools:
                 pool.attention_block = block
             requests = [model.create_paged_kv_cache(pools) for _ in range(batch)]
-        for row, request in enumerate(requests):
-            for layer_cache, (k, v) in zip(request, kv):  # the state a prefill leaves
-                layer_cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
+        impls.fill_rows(requests, kv)  # the state a prefill leaves
         per_request = kind == "paged-in-place-per-request"
         batching = per_request_batching_cache(pkg) if per_request else pkg.BatchingKvCache
-        self.batch = [batching(batch) for _ in range(model.num_hidden_layers)]
-        for slot, request in enumerate(requests):
-            for layer, layer_cache in zip(self.batch, request):
-                layer.add_request(layer_cache, slot)
+        self.batch = impls.batching_caches(batching, requests)
         for layer in self.batch:
             layer.materialize()
         self.tokens = mx.array([[1 + b] for b in range(batch)])  # [B, 1]
@@ -168,7 +157,7 @@ class MlxLmDecode:
     """The same step with mlx-lm's Qwen3 and its KVCache on the same weights."""
 
     def __init__(self, ckpt, kv: KV):
-        impl = MlxLmImpl(ckpt)
+        impl = impls.MlxLmImpl(ckpt)
         self.model, (self.cache, self.context) = impl.model, impl.decode_cache(kv)
         mx.eval([c.state for c in self.cache])
         self.tokens = mx.array([[1 + b] for b in range(kv[0][0].shape[0])])
@@ -197,7 +186,7 @@ def held_after_one_step(make: Callable[[], Any]) -> tuple[Any, int]:
 
 def decode_rows(pkg, model, ckpt, context: int, batch: int, args) -> list[dict[str, Any]]:
     """Every method on `batch` requests with `context` cached tokens each."""
-    kv = random_context(ckpt.config, batch, context, DTYPES[args.dtype], seed=context + batch)
+    kv = impls.random_context(ckpt.config, batch, context, DTYPES[args.dtype], seed=context + batch)
     kinds = [k for k in DECODE_KINDS if batch > 1 or k != "paged-in-place-per-request"]
     makers = {k: partial(CourseDecode, pkg, model, kv, k, args.page_size, args.paged_block)
               for k in kinds}  # fmt: skip
@@ -247,12 +236,10 @@ def summarize(attention: list[dict], decode: list[dict]) -> dict[str, Any]:
         longest = max(r["length"] for r in attention)
         at = {r["method"]: r for r in attention if r["length"] == longest}
         flash = [m for m in at if m.startswith("flash")]
+        over_dense = lambda what: {m: at[m][what] / at["dense"][what] for m in flash}
         out["attention_length"] = longest
-        for key, what in (
-            ("flash_peak_over_dense", "peak_bytes"),
-            ("flash_time_over_dense", "median_ms"),
-        ):
-            out[key] = {m: at[m][what] / at["dense"][what] for m in flash}
+        out["flash_peak_over_dense"] = over_dense("peak_bytes")
+        out["flash_time_over_dense"] = over_dense("median_ms")
     if decode:
         longest = out["decode_context"] = max(r["context"] for r in decode)
         at = {(r["batch"], r["method"]): r["median_ms"] for r in decode if r["context"] == longest}
@@ -328,13 +315,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_model, args, f"; attention: H_q {H_Q}, H_kv {H_KV}, head_dim {HEAD_DIM}"
     )
     harness.log_blas()
-    pkg = load_solution(args.solution)
-    try:
-        attention, decode = bench(pkg, args, bench_model)
-    except NotImplementedError as e:
-        raise SystemExit(unfinished_message(args.solution, e)) from None
-    except CheckpointError as e:  # weights that resolving the model could not check unread
-        raise SystemExit(f"error: {e}") from None
+    with harness.OneLineErrors(args.solution) as errors:  # a checkpoint's weights: read here
+        attention, decode = bench(load_solution(args.solution), args, bench_model)
+    if errors.status:
+        return errors.status
     settings = {"arguments": harness.arguments_json(args), "device": device,
                 "attention_shape": {"H_q": H_Q, "H_kv": H_KV, "head_dim": HEAD_DIM, "batch": 1},
                 "model": bench_model.describe() if decode else None}  # fmt: skip

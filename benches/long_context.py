@@ -32,8 +32,8 @@ import numpy as np
 
 from benches import harness
 from benches.ceilings import timed
-from benches.tensor_parallel import run_ranks
 from tiny_llm_ref.kv_cache import TinyKvFullCache
+from tiny_llm_ref.ring_attention import split_sequence
 from tiny_llm_support import Checkpoint, Qwen3Config, choose_device
 from tiny_llm_support.cli import DTYPES, int_at_least, load_solution
 
@@ -62,9 +62,8 @@ def load(spec: dict[str, Any]) -> tuple[harness.BenchModel, Checkpoint, Any, lis
     bench_model, ckpt = harness.load_weights(spec["model"], s["dtype"])
     low, high = bench_model.token_ids
     allowed = np.setdiff1d(np.arange(low, high), bench_model.excluded_ids)
-    ids = np.random.RandomState(s["seed"]).choice(
-        allowed, spec["prompt_len"] + s["decode_steps"] + 1
-    )
+    count = spec["prompt_len"] + s["decode_steps"] + 1
+    ids = np.random.RandomState(s["seed"]).choice(allowed, count)
     return bench_model, ckpt, load_solution(s["solution"]), ids.tolist()
 
 
@@ -95,9 +94,7 @@ class BandedMaskCache(TinyKvFullCache):
         return keys, values, mx.where(seen, 0.0, -mx.inf).astype(key.dtype)
 
 
-def forward_each(
-    model, caches, pieces: list[list[int]], start: int
-) -> tuple[list[float], mx.array]:
+def forward_each(model, caches, pieces: list[list[int]], start: int) -> tuple[list, mx.array]:
     """Each piece of ids through the model in turn from position `start` (prefill chunks, or
     decode steps of one id): the seconds of each, and the last position's logits [V]."""
     times = []
@@ -163,8 +160,7 @@ def ring_run(spec: dict[str, Any]) -> dict[str, Any]:
     last prompt token to spec["logits"]; one ring step timed after it (median of several)."""
     t0 = time.perf_counter()
     ranks, length = spec["ranks"], spec["prompt_len"]
-    group = mx.distributed.init(strict=True, backend="ring") if ranks > 1 else mx.distributed.init()
-    spec["output"] = spec["output"].format(rank=group.rank())  # child_main writes a file a rank
+    group = harness.join_group(spec)
     _, ckpt, api, ids = load(spec)
     model = api.Qwen3Model(ckpt, max_seq_len=length)
     load_s = time.perf_counter() - t0
@@ -209,18 +205,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def window_plan(lengths: list[int]) -> list[tuple[int, str]]:
     """(prompt length, variant) in launch order: both variants at each length, the order swapped
-    from one length to the next; the explicit-mask oracle after the shortest length's runs."""
-    plan = []
-    for i, length in enumerate(lengths):
-        plan += [(length, v) for v in (VARIANTS if i % 2 == 0 else VARIANTS[::-1])]
-        plan += [(length, ORACLE)] if i == 0 else []
-    return plan
-
-
-def part_sizes(length: int, ranks: int) -> list[int]:
-    """The tokens of each rank's part (split_sequence: the first parts take the extra ones)."""
-    size, extra = divmod(length, ranks)
-    return [size + (r < extra) for r in range(ranks)]
+    from one length to the next (plan_runs); the explicit-mask oracle after the shortest
+    length's runs."""
+    plan = [(lengths[i], v) for i, _, v in harness.plan_runs(VARIANTS, len(lengths))]
+    return [*plan[: len(VARIANTS)], (lengths[0], ORACLE), *plan[len(VARIANTS) :]]
 
 
 def ring_row(model: harness.BenchModel, dtype: str, length: int, ranks: int) -> dict[str, Any]:
@@ -230,9 +218,10 @@ def ring_row(model: harness.BenchModel, dtype: str, length: int, ranks: int) -> 
     The estimate: the weights, three [H_q, l, l] arrays of the own part's attention and the
     logits [l, V] (ring_prefill computes every position's)."""
     config, size = model.qwen3_config, DTYPES[dtype].size
-    sizes, h_q, d = part_sizes(length, ranks), config.num_attention_heads, config.head_dim
-    step = max(sizes) * kv_bytes_per_token(config, size)  # one part's keys and values
+    sizes = [stop - start for start, stop in split_sequence(length, ranks)]  # the ranks' parts
+    h_q, d = config.num_attention_heads, config.head_dim
     part = max(sizes)
+    step = part * kv_bytes_per_token(config, size)  # one part's keys and values
     estimate = model.parameter_count() * size + (3 * h_q * part + config.vocab_size) * part * size
     memory = harness.memory_bytes()
     skipped = None
@@ -273,8 +262,13 @@ def compare(what: str, length: int, got: np.ndarray, want: np.ndarray) -> dict[s
             "relative_diff": relative, "ok": relative <= AGREEMENT_RTOL}  # fmt: skip
 
 
-def agreement(window: dict[tuple, Any], ring: dict[tuple, np.ndarray]) -> list[dict[str, Any]]:
-    """The window against the oracle; the ring on N ranks against 1 rank and the full run."""
+def agreement(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The window against the oracle; the ring on N ranks against 1 rank and the full run (the
+    logits each run saved where its spec says)."""
+    window = {(s["prompt_len"], s["variant"]): np.load(s["logits"])
+              for s in specs if s["part"] == "window"}  # fmt: skip
+    ring = {(s["prompt_len"], s["ranks"]): np.load(s["logits"])["prefill"]
+            for s in specs if s["part"] == "ring"}  # fmt: skip
     checks = []
     for (length, variant), oracle in window.items():
         for key in ("prefill", "decode") if variant == ORACLE else ():
@@ -290,42 +284,45 @@ def agreement(window: dict[tuple, Any], ring: dict[tuple, np.ndarray]) -> list[d
     return checks
 
 
+def run_label(run: dict[str, Any]) -> str:
+    """A run (its spec, or a record of it) in the progress lines."""
+    what = run.get("variant") or f"{run['ranks']} rank(s)"
+    return f"{run['part']}, {run['prompt_len']} tokens, {what}"
+
+
+def run_line(records: list[dict[str, Any]]) -> str:
+    """What a run measured, for the progress lines: the slowest rank's prefill."""
+    return f"{run_label(records[0])}: prefill {max(r['prefill_s'] for r in records):.1f} s"
+
+
 def run_all(args, model: harness.BenchModel, tmp: Path, settings: dict) -> tuple[list, list]:
     """Every run of both parts, each in fresh processes, window first: the rows (skipped ring
     runs included) and the agreement checks."""
     shared = {"model": model.to_dict(), "settings": settings, "solution": args.solution}
-    plan = [({**shared, "part": "window", "prompt_len": n, "variant": v, "ranks": 1}, None)
-            for n, v in window_plan(args.prompt_lens) if "window" in args.parts]  # fmt: skip
-    rings = [ring_row(model, args.dtype, n, r) for i, n in enumerate(args.prompt_lens)
-             for r in (args.ranks if i % 2 == 0 else args.ranks[::-1]) if "ring" in args.parts]  # fmt: skip
-    for row in rings:
-        if row["skipped"]:
-            harness.log(f"ring, {row['prompt_len']} tokens, {row['ranks']} rank(s): skipped, "
-                        f"{row['skipped']}")  # fmt: skip
-        else:
-            plan.append(({**shared, "part": "ring", "prompt_len": row["prompt_len"],
-                          "ranks": row["ranks"]}, row))  # fmt: skip
-    windows, window, ring = [], {}, {}
-    with harness.Progress(len(plan)) as progress:
-        for k, (spec, row) in enumerate(plan):
-            spec["logits"] = str(tmp / f"logits-{k}.npz")
-            what = f"{spec['part']}, {spec['prompt_len']} tokens, " + (
-                spec.get("variant") or f"{spec['ranks']} rank(s)")  # fmt: skip
-            progress.start(what)
-            runs = run_ranks(__name__, tmp, k, len(plan), spec, what)
-            logits = np.load(spec["logits"])
-            if row is None:
-                window[(spec["prompt_len"], spec["variant"])] = logits
-                windows.append(row := runs[0])
-            else:
-                ring[(spec["prompt_len"], spec["ranks"])] = logits["prefill"]
-                add_measured(row, runs, model.num_layers)
-            progress.done(f"{what}: prefill {row['prefill_s']:.1f} s")
+    lengths = args.prompt_lens
+    variants = window_plan(lengths) if "window" in args.parts else []
+    window_specs = [{**shared, "part": "window", "prompt_len": n, "variant": v, "ranks": 1}
+                    for n, v in variants]  # fmt: skip
+    # every rank count at each length, the order swapped from one length to the next
+    ring_plan = harness.plan_runs(args.ranks, len(lengths)) if "ring" in args.parts else []
+    rings = [ring_row(model, args.dtype, lengths[i], n) for i, _, n in ring_plan]
+    for row in (row for row in rings if row["skipped"]):
+        harness.log(f"ring, {row['prompt_len']} tokens, {row['ranks']} rank(s): skipped, "
+                    f"{row['skipped']}")  # fmt: skip
+    measured = [row for row in rings if not row["skipped"]]
+    specs = window_specs + [{**shared, "part": "ring", "prompt_len": row["prompt_len"],
+                             "ranks": row["ranks"]} for row in measured]  # fmt: skip
+    for k, spec in enumerate(specs):
+        spec["logits"] = str(tmp / f"logits-{k}.npz")
+    runs = harness.run_rank_plan(__name__, specs, tmp, run_label, run_line)
+    for row, records in zip(measured, runs[len(window_specs) :]):
+        add_measured(row, records, model.num_layers)
+    windows = [records[0] for records in runs[: len(window_specs)]]
     per_token = kv_bytes_per_token(model.qwen3_config, DTYPES[args.dtype].size) * model.num_layers
     for row in windows:
         row["prefill_tokens_per_s"] = row["prompt_len"] / row["prefill_s"]
         row["dense_kv_bytes"] = (row["prompt_len"] + args.decode_steps + 1) * per_token
-    return windows + rings, agreement(window, ring)
+    return windows + rings, agreement(specs)
 
 
 # --- the table and the command line ------------------------------------------------------------
@@ -391,10 +388,9 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, harness.
     longest = args.prompt_lens[-1] + args.decode_steps + 1
     if longest > (limit := model.config["max_position_embeddings"]):
         p.error(f"{longest} positions (the longest prompt and the decode steps) exceed {limit}")
-    if "ring" in args.parts and args.prompt_lens[0] < args.ranks[-1]:
-        p.error(
-            f"a prompt of {args.prompt_lens[0]} tokens cannot be split over {args.ranks[-1]} ranks"
-        )
+    shortest, most = args.prompt_lens[0], args.ranks[-1]
+    if "ring" in args.parts and shortest < most:
+        p.error(f"a prompt of {shortest} tokens cannot be split over {most} ranks")
     name = f"{harness.model_slug(model)}-{model.num_layers}layers-{harness.host_slug()}"
     harness.set_output_paths(p, args, harness.RESULTS / f"long-context-{name}.json")
     return args, model
@@ -416,8 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not all(c["ok"] for c in checks):
         return 1
     ran = {r["blas"]["blas"] for row in rows for r in row.get("by_rank", [row]) if "blas" in r}
-    blas = {"parent": harness.blas_info(), "openblas_core": core, "runs": sorted(ran),
-            "environment": harness.environment()}  # fmt: skip
+    blas = {"parent": harness.blas_info(), "openblas_core": core, "runs": sorted(ran)}
     settings = {**settings, "model": model.describe(), "memory_bytes": harness.memory_bytes()}
     summary = {"agreement": harness.agreement_summary(checks, AGREEMENT_RTOL)}
     report = harness.report("long-context", started, settings, rows, summary, blas=blas)

@@ -41,7 +41,7 @@ from benches.harness import BenchModel, log, median, plan_runs
 from benches.model_ablation import ablate_ops
 from benches.model_impls import MLX_LM, VARIANTS, MlxLmImpl, RefImpl, cache_arrays, random_context
 from tiny_llm_support import Qwen3Config, blas_info, choose_device
-from tiny_llm_support.cli import DTYPES, SOLUTIONS, int_at_least, load_solution, unfinished_message
+from tiny_llm_support.cli import DTYPES, SOLUTIONS, int_at_least, load_solution
 
 
 @dataclass
@@ -373,15 +373,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warning: the bundled reference BLAS runs fp32 matmuls 20-40x slower than OpenBLAS "
             "(`sudo apt-get install libopenblas0-pthread`, see the Performance appendix)"
         )
-    try:
+    with harness.OneLineErrors(args.solution) as errors:
         settings, runs, summary = measure(args, model)
-    except NotImplementedError as e:
-        log(unfinished_message(args.solution, e))
-        return 1
-    reexecuted = os.environ.get("TINY_LLM_OPENBLAS_PRELOADED") == "1"  # by python -m benches
-    blas = {**harness.process_blas(), "reexecuted_with_openblas": reexecuted}
-    blas["env"] = harness.environment()
-    report = harness.report("bench-model", started, settings, runs, summary, blas=blas)
-    report["host"]["mlx_lm_version"] = harness.package_version("mlx-lm")
-    harness.write_report(args, report, tables, seconds=report["host"]["duration_s"])
-    return 0
+        reexecuted = os.environ.get("TINY_LLM_OPENBLAS_PRELOADED") == "1"  # by python -m benches
+        blas = {**harness.process_blas(), "reexecuted_with_openblas": reexecuted}
+        blas["env"] = harness.environment()
+        report = harness.report("bench-model", started, settings, runs, summary, blas=blas)
+        report["host"]["mlx_lm_version"] = harness.package_version("mlx-lm")
+        harness.write_report(args, report, tables, seconds=report["host"]["duration_s"])
+    return errors.status

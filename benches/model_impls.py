@@ -1,5 +1,5 @@
-"""The two implementations bench-model times on the same weight arrays, and the fast parts its
-ablation swaps into the course's model.
+"""The two implementations bench-model times on the same weight arrays (bench-moe and
+bench-flash-attention use them too), and the fast parts its ablation swaps into the course's model.
 
     RefImpl    the course's Qwen3Model and caches (tiny_llm_ref, or your tiny_llm); parts of the
                model can be replaced by others passed in (attention core, norms, RoPE)
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from types import ModuleType
 from typing import Any
 
 import mlx.core as mx
@@ -86,13 +85,7 @@ class RefImpl:
     """
 
     def __init__(
-        self,
-        pkg: ModuleType,
-        ckpt: Checkpoint,
-        batch_cache: str,
-        attention=None,
-        norm=None,
-        rope=None,
+        self, pkg, ckpt: Checkpoint, batch_cache: str, attention=None, norm=None, rope=None
     ):
         self.pkg, self.batch_cache = pkg, batch_cache
         self.model = pkg.Qwen3Model(ckpt)
@@ -125,16 +118,10 @@ class RefImpl:
                 c.update_and_fetch(k, v)
             return caches, s
         rows = [self.model.create_kv_cache() for _ in range(b)]  # [row][layer], one row each
-        for layer, (k, v) in enumerate(kv):
-            for row in range(b):
-                rows[row][layer].update_and_fetch(k[row : row + 1], v[row : row + 1])
+        fill_rows(rows, kv)
         if self.batch_cache == "ragged":
             return rows, [s] * b
-        caches = [self.pkg.BatchingKvCache(b) for _ in kv]
-        for row, layers in enumerate(rows):
-            for layer, row_cache in zip(caches, layers):
-                layer.add_request(row_cache, row)
-        return caches, [s] * b
+        return batching_caches(self.pkg.BatchingKvCache, rows), [s] * b
 
     def decode_step(self, tokens: mx.array, cache: list, offset: int | list[int]):
         """One step of tokens [B, 1] -> logits [B, 1, V], the next offset."""
@@ -182,6 +169,24 @@ def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int) ->
         mx.eval(pair)
         kv.append(pair)
     return kv
+
+
+def fill_rows(requests: list[list], kv: KV) -> None:
+    """Give request b's layer caches row b of every layer's keys and values (what its prefill
+    would have left)."""
+    for row, request in enumerate(requests):
+        for layer_cache, (k, v) in zip(request, kv):
+            layer_cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
+
+
+def batching_caches(batching: Callable[[int], Any], requests: list[list]) -> list:
+    """One batching cache per layer (a `batching` of B slots) over the B requests' layer caches,
+    request b in slot b."""
+    layers = [batching(len(requests)) for _ in requests[0]]
+    for slot, request in enumerate(requests):
+        for layer, layer_cache in zip(layers, request):
+            layer.add_request(layer_cache, slot)
+    return layers
 
 
 def cache_arrays(cache: list) -> list[mx.array]:

@@ -29,20 +29,9 @@ import numpy as np
 
 from benches import harness
 from benches.ceilings import measure_ceilings
-from tiny_llm_support import (
-    Checkpoint,
-    Qwen3Config,
-    choose_device,
-    expected_shapes,
-    mlx_lm_qwen3,
-    random_weights,
-)
-from tiny_llm_support.cli import (
-    add_solution_argument,
-    int_at_least,
-    load_solution,
-    unfinished_message,
-)
+from benches.model_impls import MlxLmImpl, RefImpl
+from tiny_llm_support import Checkpoint, Qwen3Config, choose_device, expected_shapes, random_weights
+from tiny_llm_support.cli import add_solution_argument, int_at_least, load_solution
 
 # Qwen3-30B-A3B's published config.json (48 layers; --layers keeps the first few)
 QWEN3_30B_A3B: dict[str, Any] = {
@@ -114,46 +103,46 @@ Call = Callable[[], tuple[dict[str, float], mx.array]]  # one run: (its times, i
 
 def sample(calls: dict[str, Call], repeats: int, where: str) -> tuple[dict, list]:
     """Every variant's samples, and the agreement checks of their first outputs with grouped's.
-    Each call runs once first (a sample only if it took over SLOW_S); then rounds of one call
-    per variant, the order rotated every round, until each has `repeats` samples."""
+    Each call runs once first (a sample only if it took over SLOW_S); then the variants take
+    turns in plan_runs' order until each has `repeats` samples."""
     samples, outputs = {}, {}
     for name, call in calls.items():
         start = time.perf_counter()
         times, outputs[name] = call()
         samples[name] = [times] if time.perf_counter() - start > SLOW_S else []
-    want, checks = outputs["grouped"], []
-    scale = mx.abs(want).max().item()
-    for name in (n for n in calls if n != "grouped"):
-        diff = mx.abs(outputs[name].astype(mx.float32) - want).max().item()
-        checks.append({"where": where, "variant": name, "max_abs_diff": diff,
-                       "max_abs_grouped": scale, "relative_diff": diff / scale if scale else diff})  # fmt: skip
-        checks[-1]["ok"] = checks[-1]["relative_diff"] <= AGREEMENT_RTOL
-        harness.log(
-            f"  agreement {where}: {name} vs grouped, relative {checks[-1]['relative_diff']:.1e}"
-        )
-        if not checks[-1]["ok"]:
-            raise Disagreement(f"{where}: {name} differs from grouped by {diff:.3e} (relative "
-                               f"{checks[-1]['relative_diff']:.3e}, more than {AGREEMENT_RTOL})")  # fmt: skip
-    names, r = list(calls), 0
-    while any(len(samples[n]) < repeats for n in names):
-        done = []
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            if len(samples[name]) < repeats:
-                start = time.perf_counter()
-                samples[name].append(calls[name]()[0])
-                done.append(f"{name} {time.perf_counter() - start:.2f} s")
-        r += 1
-        harness.log(f"  {where}, round {r}: " + ", ".join(done))
+    others = [name for name in calls if name != "grouped"]
+    checks = [agreement(where, name, outputs[name], outputs["grouped"]) for name in others]
+    for r, _, name in harness.plan_runs(list(calls), repeats):
+        if len(samples[name]) < repeats:
+            start = time.perf_counter()
+            samples[name].append(calls[name]()[0])
+            harness.log(f"  {where}, {name} {r + 1}/{repeats}: {time.perf_counter() - start:.2f} s")
     return samples, checks
+
+
+def agreement(where: str, name: str, output: mx.array, grouped: mx.array) -> dict[str, Any]:
+    """The check of a variant's output against grouped's: the largest difference, relative to
+    grouped's largest value. Over AGREEMENT_RTOL: a Disagreement."""
+    scale = mx.abs(grouped).max().item()
+    diff = mx.abs(output.astype(mx.float32) - grouped).max().item()
+    relative = diff / scale if scale else diff
+    harness.log(f"  agreement {where}: {name} vs grouped, relative {relative:.1e}")
+    if relative > AGREEMENT_RTOL:
+        raise Disagreement(
+            f"{where}: {name} differs from grouped by {diff:.3e} (relative {relative:.3e}, "
+            f"more than {AGREEMENT_RTOL})"
+        )
+    return {"where": where, "variant": name, "max_abs_diff": diff, "max_abs_grouped": scale,
+            "relative_diff": relative, "ok": True}  # fmt: skip
 
 
 # --- the block alone -----------------------------------------------------------------------------
 
 
-def bench_block(pkg, ckpt: Checkpoint, mlx_model, args, ceilings) -> tuple[list, list]:
+def bench_block(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tuple[list, list]:
     """Rows (case, variant) of layer 0's block alone, x [B, L, H] -> [B, L, H]; the checks."""
     c, w, p = ckpt.config, ckpt.weights, "model.layers.0.mlp."
-    blocks = {"mlx-lm": mlx_model.model.layers[0].mlp}
+    blocks = {"mlx-lm": mlx_lm.model.model.layers[0].mlp}
     for name, grouped in (("loop", False), ("grouped", True)):
         blocks[name] = pkg.Qwen3SparseMoE(
             c.num_experts_per_tok, c.norm_topk_prob, w[p + "gate.weight"],
@@ -181,7 +170,8 @@ def bench_block(pkg, ckpt: Checkpoint, mlx_model, args, ceilings) -> tuple[list,
                          "gb_per_s": gb_per_s,
                          "share_of_bandwidth": gb_per_s / ceilings["bandwidth_ceiling_gbs"],
                          "gflop_per_s": gflop_per_s,
-                         "share_of_matmul": gflop_per_s / ceilings["matmul_ceiling_gflops"]})  # fmt: skip
+                         "share_of_matmul": gflop_per_s / ceilings["matmul_ceiling_gflops"],
+                         })  # fmt: skip
     return rows, checks
 
 
@@ -195,56 +185,22 @@ def timed_call(block: Callable[[mx.array], mx.array], x: mx.array) -> Call:
     return call
 
 
-# --- the whole model -------------------------------------------------------------------------------
+# --- the whole model ---------------------------------------------------------------------------
 
 
-class CourseRun:
-    """The solution's Qwen3Model, every sparse block looped or grouped, with its dense cache."""
-
-    def __init__(self, model, grouped: bool):
-        self.model, self.grouped = model, grouped
-
-    def prefill(self, tokens: mx.array) -> mx.array:
-        for layer in self.model.layers:  # one model serves both variants: set the path
-            layer.mlp.grouped = self.grouped
-        self.cache, self.offset = self.model.create_kv_cache(), tokens.shape[1]
-        return self.model(tokens, 0, self.cache, logits_to_keep=1)  # [1, 1, V]
-
-    def step(self, token: mx.array) -> mx.array:
-        self.offset += 1
-        return self.model(token, self.offset - 1, self.cache)
-
-
-class MlxLmRun:
-    """mlx-lm's Model with its own KV cache (make_prompt_cache)."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def prefill(self, tokens: mx.array) -> mx.array:
-        from mlx_lm.models.cache import make_prompt_cache
-
-        self.cache = make_prompt_cache(self.model)
-        h = self.model.model(tokens, cache=self.cache)[:, -1:, :]  # normed, last position
-        return self.model.lm_head(h)  # [1, 1, V], like logits_to_keep=1
-
-    def step(self, token: mx.array) -> mx.array:
-        return self.model(token, cache=self.cache)
-
-
-def generate_call(run, prompt: mx.array, steps: mx.array) -> Call:
+def generate_call(impl, prompt: mx.array, steps: mx.array) -> Call:
     """A prefill of prompt [1, T], then one decode step per token of steps [1, S] (the same
-    tokens for every variant, whatever the logits say): the prefill's seconds and the median
-    step's; the prefill's and the last step's logits."""
+    tokens for every variant, whatever the logits say), through a model_impls implementation:
+    the prefill's seconds and the median step's; the prefill's and the last step's logits."""
 
     def call():
         start = time.perf_counter()
-        first = run.prefill(prompt)
+        first, cache = impl.prefill(prompt)  # [1, 1, V]
         mx.eval(first)
-        prefill_s, step_s, last = time.perf_counter() - start, [], first
+        prefill_s, step_s, last, offset = time.perf_counter() - start, [], first, prompt.shape[1]
         for i in range(steps.shape[1]):
             start = time.perf_counter()
-            last = run.step(steps[:, i : i + 1])
+            last, offset = impl.decode_step(steps[:, i : i + 1], cache, offset)
             mx.eval(last)
             step_s.append(time.perf_counter() - start)
         out = mx.concatenate([first.reshape(-1), last.reshape(-1)])
@@ -253,11 +209,14 @@ def generate_call(run, prompt: mx.array, steps: mx.array) -> Call:
     return call
 
 
-def bench_model(pkg, ckpt: Checkpoint, mlx_model, args, ceilings) -> tuple[list, list]:
+def bench_model(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tuple[list, list]:
     """Rows per variant of the whole model, and the agreement checks."""
-    model = pkg.Qwen3Model(ckpt, max_seq_len=args.prefill + args.decode_steps + 1)
-    runs = {"loop": CourseRun(model, False), "grouped": CourseRun(model, True)}
-    runs["mlx-lm"] = MlxLmRun(mlx_model)
+    runs: dict[str, Any] = {}
+    for name, grouped in (("loop", False), ("grouped", True)):
+        runs[name] = RefImpl(pkg, ckpt, "dense")  # the same weight arrays, one path each
+        for layer in runs[name].model.layers:
+            layer.mlp.grouped = grouped
+    runs["mlx-lm"] = mlx_lm
     high = min(ckpt.config.vocab_size, FIRST_CONTROL_ID)
     ids = np.random.RandomState(args.seed).randint(0, high, args.prefill + args.decode_steps)
     prompt = mx.array(ids[None, : args.prefill], dtype=mx.int32)
@@ -279,7 +238,8 @@ def bench_model(pkg, ckpt: Checkpoint, mlx_model, args, ceilings) -> tuple[list,
                      "decode_ms_per_step": harness.median(step) * 1000,
                      "decode_context": context, "decode_bytes_per_step": step_bytes,
                      "decode_gb_per_s": gb_per_s,
-                     "share_of_bandwidth": gb_per_s / ceilings["bandwidth_ceiling_gbs"]})  # fmt: skip
+                     "share_of_bandwidth": gb_per_s / ceilings["bandwidth_ceiling_gbs"],
+                     })  # fmt: skip
     return rows, checks
 
 
@@ -295,19 +255,20 @@ def targets(block: list[dict[str, Any]]) -> dict[str, Any]:
     prefill = block[0]["label"]
     speedup = at[(prefill, "loop")] / at[(prefill, "grouped")]
     ratios = {r["label"]: at[(r["label"], "grouped")] / at[(r["label"], "mlx-lm")] for r in block}
-    return {
-        "checked": True,
-        "grouped_speedup_over_loop_prefill": {"case": prefill, "value": speedup,
-            "target_at_least": TARGET_GROUPED_OVER_LOOP, "met": speedup >= TARGET_GROUPED_OVER_LOOP},
-        "grouped_time_over_mlx_lm": {"values": ratios, "target_at_most": TARGET_GROUPED_OVER_MLX_LM,
-            "met": all(v <= TARGET_GROUPED_OVER_MLX_LM for v in ratios.values())},
-    }  # fmt: skip
+    low, high = TARGET_GROUPED_OVER_LOOP, TARGET_GROUPED_OVER_MLX_LM
+    speedup_target = {"case": prefill, "value": speedup, "target_at_least": low,
+                      "met": speedup >= low}  # fmt: skip
+    time_target = {"values": ratios, "target_at_most": high,
+                   "met": all(v <= high for v in ratios.values())}  # fmt: skip
+    return {"checked": True, "grouped_speedup_over_loop_prefill": speedup_target,
+            "grouped_time_over_mlx_lm": time_target}  # fmt: skip
 
 
 def summary_table(report: dict[str, Any]) -> str:
     rows = [("block", r["label"], r["variant"], f"{r['median_s'] * 1000:.1f}",
-             f"{r['ms_per_token']:.2f}", str(r["experts_touched"]), f"{r['weight_bytes'] / 1e6:.1f}",
-             f"{r['gb_per_s']:.2f}", f"{r['share_of_bandwidth']:.0%}")
+             f"{r['ms_per_token']:.2f}", str(r["experts_touched"]),
+             f"{r['weight_bytes'] / 1e6:.1f}", f"{r['gb_per_s']:.2f}",
+             f"{r['share_of_bandwidth']:.0%}")
             for r in report["runs"] if r["part"] == "block"]  # fmt: skip
     model = [r for r in report["runs"] if r["part"] == "model"]
     rows += [("model", f"prefill 1x{r['prefill_tokens']}", r["variant"],
@@ -323,17 +284,21 @@ def summary_table(report: dict[str, Any]) -> str:
     t = report["targets"]
     if t["checked"]:
         s, m = t["grouped_speedup_over_loop_prefill"], t["grouped_time_over_mlx_lm"]
+        values = ", ".join(f"{k} {v:.2f}x" for k, v in m["values"].items())
         lines.append(f"target: grouped at least {s['target_at_least']}x faster than loop at "
-                     f"{s['case']}: {s['value']:.2f}x, {'met' if s['met'] else 'NOT met'}")  # fmt: skip
-        lines.append(f"target: grouped within {m['target_at_most']}x of mlx-lm's time: "
-                     + ", ".join(f"{k} {v:.2f}x" for k, v in m["values"].items())
-                     + f": {'met' if m['met'] else 'NOT met'}")  # fmt: skip
+                     f"{s['case']}: {s['value']:.2f}x, {met(s)}")  # fmt: skip
+        lines.append(f"target: grouped within {m['target_at_most']}x of mlx-lm's time: {values}: "
+                     f"{met(m)}")  # fmt: skip
     return "\n".join(lines)
 
 
+def met(target: dict[str, Any]) -> str:
+    return "met" if target["met"] else "NOT met"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    p = harness.bench_parser("bench-moe", "A mixture of experts three ways (a loop over experts, "
-                             "gather_mm, mlx-lm's SwitchGLU): the block alone and the model.")  # fmt: skip
+    what = "A mixture of experts three ways (a loop over experts, gather_mm, mlx-lm's SwitchGLU)"
+    p = harness.bench_parser("bench-moe", f"{what}: the block alone and the model.")
     s = p.add_argument_group("shape (defaults: Qwen3-30B-A3B's)")
     s.add_argument("--layers", type=int_at_least(1), default=1, help="every one sparse")
     for flag, key in SHAPE_FLAGS.items():
@@ -367,16 +332,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     name = "qwen3-30b-a3b-shape" if default else "e{}-k{}-h{}-i{}-v{}".format(*shape.values())
     name = f"moe-{name}-{args.layers}layers-{harness.host_slug()}.json"
     harness.set_output_paths(p, args, harness.RESULTS / name)
-    try:
+    with harness.OneLineErrors(args.solution, Disagreement) as errors:
         report = run(load_solution(args.solution), args, config)
-    except NotImplementedError as e:
-        harness.log(unfinished_message(args.solution, e))
-        return 1
-    except Disagreement as e:
-        harness.log(f"error: {e}")
-        return 1
-    harness.write_report(args, report, summary_table, seconds=report["host"]["duration_s"])
-    return 0
+        harness.write_report(args, report, summary_table, seconds=report["host"]["duration_s"])
+    return errors.status
 
 
 def run(pkg, args, config: Qwen3Config) -> dict[str, Any]:
@@ -387,21 +346,22 @@ def run(pkg, args, config: Qwen3Config) -> dict[str, Any]:
     t = time.perf_counter()
     weights = random_weights(config, args.seed, "float32")  # in memory, never written
     ckpt = Checkpoint(path=Path("<random weights>"), config=config, weights=weights)
-    mlx_model = mlx_lm_qwen3(ckpt)  # the same weight arrays, no copy
+    mlx_lm = MlxLmImpl(ckpt)  # the same weight arrays, no copy
     held = sum(w.nbytes for w in weights.values())
     harness.log(f"random weights: {held / 1e9:.2f} GB, built in {time.perf_counter() - t:.1f} s")
     block, model, checks = [], [], []
     if "block" in args.parts:
-        block, checks = bench_block(pkg, ckpt, mlx_model, args, ceilings)
+        block, checks = bench_block(pkg, ckpt, mlx_lm, args, ceilings)
     if "model" in args.parts:
-        model, more = bench_model(pkg, ckpt, mlx_model, args, ceilings)
+        model, more = bench_model(pkg, ckpt, mlx_lm, args, ceilings)
         checks += more
+    one = expert_bytes(config)
     settings = {
         **harness.arguments_json(args, ["json_output"]), "device": device, "dtype": "float32",
         "config": config.raw,
-        "weights": {"random": True, "seed": args.seed, "expert_bytes": expert_bytes(config),
-                    "experts_bytes_per_layer": config.num_experts * expert_bytes(config),
-                    "active_expert_bytes_per_token_per_layer": config.num_experts_per_tok * expert_bytes(config)},
+        "weights": {"random": True, "seed": args.seed, "expert_bytes": one,
+                    "experts_bytes_per_layer": config.num_experts * one,
+                    "active_expert_bytes_per_token_per_layer": config.num_experts_per_tok * one},
         "mlx_lm": {"version": harness.package_version("mlx-lm"), "block": "mlx_lm.models.qwen3_moe."
                    "Qwen3MoeSparseMoeBlock (SwitchGLU), in the Model tiny_llm_support.mlx_lm_qwen3 "
                    "builds on the same weight arrays"},

@@ -102,28 +102,30 @@ def new_trace_text(args: argparse.Namespace, model: harness.BenchModel) -> str:
     head = {"schema": TRACE_SCHEMA, "about": about, "generator": generator,
             "max_tokens": args.max_tokens}  # fmt: skip
     ids = lambda xs: json.dumps(xs, separators=(",", ":"))
-    lines = [f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}," for k, v in head.items()]
-    lines.append(f'  "system": {ids(system.prompts[0])},')
     conversations = [messages[c * turns : (c + 1) * turns] for c in range(n)]
     rows = [",\n".join(f"      {ids(u)}" for u in c) for c in conversations]
-    lines += ['  "conversations": [', ",\n".join(f"    [\n{c}\n    ]" for c in rows), "  ]"]
-    return "\n".join(["{", *lines, "}"]) + "\n"
+    rows = ",\n".join(f"    [\n{c}\n    ]" for c in rows)
+    body = {"system": ids(system.prompts[0]), "conversations": f"[\n{rows}\n  ]"}
+    return trace_run.trace_text(head, body)
 
 
 def read_trace(path: Path) -> tuple[AgentTrace, dict[str, Any], str]:
     """The trace in a file, the file's other fields, and the SHA-256 of its bytes."""
-    data, sha = trace_run.read_trace_file(path, TRACE_SCHEMA)
-    ids = lambda xs: isinstance(xs, list) and xs and all(type(t) is int and t >= 0 for t in xs)
-    nonempty = lambda xs, ok: isinstance(xs, list) and xs and all(ok(x) for x in xs)
-    conversations = data.get("conversations")
-    if not ids(data.get("system")) or not nonempty(conversations, lambda c: nonempty(c, ids)):
-        raise trace_run.TraceError(
-            f"{path}: 'system' must be a non-empty list of token ids, 'conversations' a "
-            "non-empty list of conversations, each a non-empty list of user messages (ids)"
-        )
-    trace_run.check_max_tokens(path, data)
+    data, sha = trace_run.read_trace_file(path, TRACE_SCHEMA, trace_problem)
     other = {k: v for k, v in data.items() if k not in ("system", "conversations", "about")}
-    return AgentTrace(data["system"], conversations, data["max_tokens"]), other, sha
+    return AgentTrace(data["system"], data["conversations"], data["max_tokens"]), other, sha
+
+
+def trace_problem(data: dict[str, Any]) -> str | None:
+    """What a trace file's contents lack, or None."""
+    nonempty = lambda xs, ok: isinstance(xs, list) and xs and all(ok(x) for x in xs)
+    turns = lambda c: nonempty(c, trace_run.is_token_ids)
+    if trace_run.is_token_ids(data.get("system")) and nonempty(data.get("conversations"), turns):
+        return None
+    return (
+        "'system' must be a non-empty list of token ids, 'conversations' a non-empty list of "
+        "conversations, each a non-empty list of user messages (ids)"
+    )
 
 
 # --- one mode, in its own process ----------------------------------------------------------
@@ -258,9 +260,8 @@ def serve_mlx_lm(model, trace: AgentTrace):
     (records, what the prompt cache held at the end)."""
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    tokenizer = TokenizerWrapper(trace_run.IdsOnlyTokenizer(), eos_token_ids=[])  # EOS ignored
+    tokenizer = trace_run.mlx_lm_tokenizer()  # EOS ignored
     store = LRUPromptCache()  # mlx_lm.server's default size (--prompt-cache-size 10)
     requests = Requests(trace)
     queue = deque(requests.next_prompt(c, 0) for c in range(len(trace.conversations)))
@@ -356,12 +357,8 @@ def build_parser() -> argparse.ArgumentParser:
 def load_trace(p: argparse.ArgumentParser, args, model: harness.BenchModel):
     """The trace to serve (the file's, cut as asked) and what the report says of the file;
     argparse's error for a trace this model cannot serve."""
-    try:
-        full, other, sha = read_trace(args.trace)
-    except trace_run.TraceError as e:
-        p.error(str(e))
     default, remake = (DEFAULT_TRACE, DEFAULT_TRACE_SHA256), "regenerate it with --write-trace"
-    committed = trace_run.is_committed_trace(p, args.trace, sha, default, remake)
+    full, other, sha, committed = trace_run.load_trace(p, args.trace, read_trace, default, remake)
     system, max_tokens = full.system[: args.system_tokens], args.max_tokens or full.max_tokens
     conversations = [c[: args.turns] for c in full.conversations[: args.conversations]]
     trace = AgentTrace(system, conversations, max_tokens)
@@ -418,7 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {**harness.arguments_json(args, leave_out), "policy": "hybrid",
                 "max_seq_len": trace.max_seq_len, "model": model.describe(), "trace": about,
                 "mlx_lm_version": mlx_lm}  # fmt: skip
-    blas = {**harness.runs_blas(runs, env, preloaded, core), "environment": harness.environment()}
+    blas = harness.runs_blas(runs, env, preloaded, core)
     goals = targets(summary)
     report = harness.report("prefix-cache", started, settings, runs, summary, goals, blas)
     harness.write_report(args, report, table, plot)
@@ -427,10 +424,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run_line(run: dict[str, Any]) -> str:
     m = run["metrics"]
+    first, later = harness.number(m["ttft_turn1_ms_p50"]), harness.number(m["ttft_later_ms_p50"])
     return (f"mode {run['mode']}: {run['process_s']:.1f} s (load {run['load_s']:.1f}, warm-up "
             f"{run['warmup_s']:.1f}, trace {m['wall_s']:.1f}), prefilled {m['prefill_tokens']} of "
-            f"{m['prompt_tokens']} prompt tokens, TTFT p50 turn 1 {_fmt(m['ttft_turn1_ms_p50'])} "
-            f"ms, later {_fmt(m['ttft_later_ms_p50'])} ms")  # fmt: skip
+            f"{m['prompt_tokens']} prompt tokens, TTFT p50 turn 1 {first} ms, later {later} "
+            "ms")  # fmt: skip
 
 
 def token_agreement(runs: list[dict[str, Any]]) -> None:
@@ -439,18 +437,17 @@ def token_agreement(runs: list[dict[str, Any]]) -> None:
     off = next(r for r in runs if r["mode"] == "off")["requests"]
     want = {(q["conversation"], q["turn"]): q for q in off}
     for run in runs:
-        pairs = [(q, want[q["conversation"], q["turn"]]) for q in run["requests"]]
-        differ = [(q, o) for q, o in pairs if q["token_ids"] != o["token_ids"]]
-        first = None
-        if differ:
-            q, o = differ[0]
-            at = harness.first_difference(q["token_ids"], o["token_ids"], None)
-            first = {"conversation": q["conversation"], "turn": q["turn"], "token": at}
+        requests = run["requests"]
+        reference = [want[q["conversation"], q["turn"]] for q in requests]
+        found, first = trace_run.compare_answers(requests, reference), None
+        if found["first"] is not None:
+            q, token = requests[found["first"][0]], found["first"][1]
+            first = {"conversation": q["conversation"], "turn": q["turn"], "token": token}
         run["agreement_with_off"] = {
-            "same_token_ids": not differ,
-            "same_text": all(q["text"] == o["text"] for q, o in pairs),
-            "requests_same": len(pairs) - len(differ),
-            "requests_different": len(differ),
+            "same_token_ids": found["ids"] == 0,
+            "same_text": found["texts"] == 0,
+            "requests_same": len(requests) - found["ids"],
+            "requests_different": found["ids"],
             "first_difference": first,
         }
 
@@ -510,7 +507,9 @@ def table(report: dict[str, Any]) -> str:
     rows = []
     for mode, row in report["summary"].items():
         m = row["median"]
-        numbers = [f"{m[k]:.2f}" if k.endswith("_s") else _fmt(m[k]) for k in COLUMNS.values()]
+        numbers = [
+            harness.number(m[k], ".2f" if k.endswith("_s") else ".0f") for k in COLUMNS.values()
+        ]
         same = str(row["same_token_ids_as_off"])
         rows.append([mode, f"{m['prefill_fraction']:.1%}", *numbers, same])
     head = ["mode", "of prompt", *COLUMNS, "ids = off"]
@@ -519,9 +518,7 @@ def table(report: dict[str, Any]) -> str:
         if isinstance(v, dict) and "met" in v:
             bound = [f" ({k.replace('_', ' ')} {v[k]})" for k in ("at_most", "at_least") if k in v]
             value = f"{v['value']:.3f}" if isinstance(v["value"], float) else str(v["value"])
-            lines.append(
-                f"target {name}: {value}{''.join(bound)}: {'met' if v['met'] else 'NOT met'}"
-            )
+            lines.append(f"target {name}: {value}{''.join(bound)}: {harness.met(v['met'])}")
     return "\n".join(lines)
 
 
@@ -562,7 +559,3 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
              f"{s['dtype']}, {used['conversations']} conversations x {used['turns']} turns, "
              f"system {used['system_tokens']} tokens, policy {s['policy']}")  # fmt: skip
     return harness.save_figure(fig, path, title)
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0f}"

@@ -134,11 +134,12 @@ def kv_part(ckpt, args: argparse.Namespace) -> list[dict[str, Any]]:
             held = sum(cache_bytes(layer_cache) for layer_cache in cache)
             decode = decode_ms(model, cache, context, args.decode_steps)
             release(cache)
-            rows.append({"part": "kv", "kv_cache": "int8" if kv_bits else "float32",
-                         "context": context, "kv_bytes_per_token": held / context,
-                         "decode_ms_per_token": harness.median(decode), "decode_ms_runs": decode})  # fmt: skip
-            harness.log(f"kv {rows[-1]['kv_cache']} at {context}: {held / context:.0f} "
-                        f"bytes/token, decode {rows[-1]['decode_ms_per_token']:.1f} ms/token")  # fmt: skip
+            name, ms = "int8" if kv_bits else "float32", harness.median(decode)
+            rows.append({"part": "kv", "kv_cache": name, "context": context,
+                         "kv_bytes_per_token": held / context, "decode_ms_per_token": ms,
+                         "decode_ms_runs": decode})  # fmt: skip
+            harness.log(f"kv {name} at {context}: {held / context:.0f} bytes/token, "
+                        f"decode {ms:.1f} ms/token")  # fmt: skip
             mx.clear_cache()
         del model
         gc.collect()
@@ -155,16 +156,14 @@ def cache_bytes(layer_cache: Any) -> int:
 
 def agreement_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     """Per variant: every prompt's matching prefix and forced agreement, and their means."""
-    float_dir = make_tiny_checkpoint(workdir / "float", seed=0)
-    tokenizer = load_checkpoint(float_dir).tokenizer
-    float32 = ref.Qwen3Model(load_checkpoint(float_dir))
-    variants = {
-        f"{bits}bit": ref.Qwen3Model(
-            load_checkpoint(make_tiny_checkpoint(workdir / f"q{bits}", quantize=bits))
-        )
-        for bits in args.bits
-    }  # and the INT8 KV cache; the tiny model's head_dim is 32: groups of 32
-    variants["int8-kv"] = ref.Qwen3Model(load_checkpoint(float_dir), kv_bits=8, kv_group_size=32)
+    ckpt = load_checkpoint(make_tiny_checkpoint(workdir / "float", seed=0))
+    tokenizer, float32 = ckpt.tokenizer, ref.Qwen3Model(ckpt)
+    variants = {}
+    for bits in args.bits:
+        quantized = make_tiny_checkpoint(workdir / f"q{bits}", quantize=bits)
+        variants[f"{bits}bit"] = ref.Qwen3Model(load_checkpoint(quantized))
+    # and the INT8 KV cache; the tiny model's head_dim is 32: groups of 32
+    variants["int8-kv"] = ref.Qwen3Model(ckpt, kv_bits=8, kv_group_size=32)
     n = args.agreement_tokens
     prompts: dict[str, list] = {name: [] for name in variants}
     for text in AGREEMENT_PROMPTS:
@@ -240,9 +239,10 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, harness.
         p.error("--contexts must be multiples of 256 (the caches grow in blocks of 256)")
     model = harness.bench_model_or_exit(p, args.model, random=True, num_layers=args.num_layers)
     longest = max(args.prefill_tokens, max(args.contexts) + args.decode_steps)
-    if longest > int(model.config["max_position_embeddings"]):
+    limit = int(model.config["max_position_embeddings"])
+    if longest > limit:
         p.error(f"{longest} positions (--prefill-tokens, or --contexts + --decode-steps) exceed "
-                f"the model's max_position_embeddings ({model.config['max_position_embeddings']})")  # fmt: skip
+                f"the model's max_position_embeddings ({limit})")  # fmt: skip
     host = f"{platform.system().lower()}-{platform.machine()}"
     name = f"quantization-{harness.model_slug(model)}-{model.num_layers}layers-{host}.json"
     harness.set_output_paths(p, args, harness.RESULTS / name)

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from benches import harness
+from benches.ceilings import timed
 from benches.serving_load import write_model
 from tiny_llm_support.cli import int_at_least
 
@@ -146,12 +147,8 @@ def linear_ms(ckpt, batch: int, repeats: int = 5) -> float:
     weights = [ckpt.weights[n] for n in [*names, head]]
     rows = [mx.random.normal((batch, w.shape[1])) for w in weights]
     mx.eval(rows)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        mx.eval([x @ w.T for x, w in zip(rows, weights)])
-        times.append(time.perf_counter() - start)
-    return 1000 * harness.median(times)
+    step = lambda: [x @ w.T for x, w in zip(rows, weights)]
+    return 1000 * harness.median(timed(step) for _ in range(repeats))
 
 
 def main(argv=None) -> int:

@@ -19,73 +19,34 @@ Writes benches/results/serving-<model>-<host>.json and its plot (or --json-outpu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
-import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 from benches import harness
 from benches.serving_load import (
     DEFAULT_LAYERS,
+    ENGINE_FLAGS,
+    SERVERS,
     TRACES,
     Job,
-    Server,
     Trace,
     arrival_times,
     is_shape,
     read_trace,
     replay,
-    rss_bytes,
-    run_metrics,
+    run_load,
+    start_server,
+    warm_up,
     write_model,
 )
 from tiny_llm_support.cli import int_at_least
 
-SERVERS = ("tiny-llm", "mlx-lm", "mlx-lm-batch")
-ENGINE_FLAGS = ("--prefill-step", "--max-seq-len", "--page-size", "--max-pages")
+LATENCIES = {"TTFT": "ttft", "gap": "inter_token_gap", "e2e": "e2e"}  # their names in run_line
 IDLE_TIMEOUT_S = 60  # after a soak: how long the server may take to abort what was hung up
-
-
-def start_server(name: str, ckpt: Path, args, env: dict, tmp: Path):
-    """The server `name` loading `ckpt` (a context manager), or --url's, already running."""
-    if name == "url":
-        url = args.url.rstrip("/").removesuffix("/v1")
-        return contextlib.nullcontext(SimpleNamespace(url=url, model_id=args.model_id, pid=None))
-    if name == "tiny-llm":
-        cmd = [sys.executable, str(harness.ROOT / "serve.py"), "--model", str(ckpt),
-               "--dtype", "float32", "--batch-size", str(args.batch_size), "--solution", args.solution]  # fmt: skip
-        for flag in ENGINE_FLAGS:  # serve's own defaults unless given
-            value = getattr(args, flag[2:].replace("-", "_"))
-            cmd += [] if value is None else [flag, str(value)]
-    else:
-        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(ckpt),
-               "--host", "127.0.0.1", "--log-level", "WARNING"]  # fmt: skip
-        if name == "mlx-lm-batch":  # its batch size set to ours
-            cmd += ["--decode-concurrency", str(args.batch_size)]
-            cmd += ["--prompt-concurrency", str(args.batch_size)]
-    server = Server(name, cmd, env, tmp / f"{name}.log")
-    server.model_id = str(ckpt) if name == "tiny-llm" else "default_model"
-    return server
-
-
-def warm_up(server, trace: Trace) -> None:
-    """One short request, so that the run does not pay for the first compiles and loads."""
-    asyncio.run(replay(server, trace, [Job(0, 0, 0, trace.jobs[0].user[:200], 4)], [0.0]))
-
-
-def run_load(name: str, server, trace: Trace, rate: float, seed: int) -> dict[str, Any]:
-    """One (server, trace, rate) run: every request of the trace, and the run's numbers."""
-    rss_before = rss_bytes(server.pid)
-    times = arrival_times(len(trace.jobs), rate, seed)
-    records = asyncio.run(replay(server, trace, trace.jobs, times))
-    metrics = {**run_metrics(records, rate), "rss_before_bytes": rss_before,
-               "rss_after_bytes": rss_bytes(server.pid)}  # fmt: skip
-    return {"server": name, "trace": trace.name, "rate": rate, "metrics": metrics,
-            "requests": [r.summary() for r in records]}  # fmt: skip
 
 
 def compare_texts(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,9 +71,7 @@ def compare_texts(runs: list[dict[str, Any]]) -> dict[str, Any]:
             n["identical"] += same
             n["identical_but_leading_space"] += q["text_matches_but_leading_space"] and not same
         run["text_match"] = n
-        total = counts.setdefault(run["server"], dict.fromkeys(n, 0))
-        for k, v in n.items():
-            total[k] += v
+        counts.setdefault(run["server"], Counter()).update(n)
     return counts
 
 
@@ -132,32 +91,25 @@ def run_soak(args, ckpt: Path, env: dict, tmp: Path) -> dict[str, Any]:
     harness.log(f"soak: {args.soak} requests at {max(args.rates):g} req/s, {len(hangups)} hang up")
     with start_server("tiny-llm", ckpt, args, env, tmp) as server:
         warm_up(server, trace)
-        before, samples = server.metrics(), []  # samples: (time, RSS)
-
-        async def replay_sampling_rss():
-            async def sample():
-                while True:
-                    samples.append((time.perf_counter(), rss_bytes(server.pid)))
-                    await asyncio.sleep(0.5)
-
-            sampler = asyncio.create_task(sample())
-            try:
-                return await replay(server, trace, jobs, times, hangups)
-            finally:
-                sampler.cancel()
-
-        t0 = time.perf_counter()
-        records = asyncio.run(replay_sampling_rss())
-        deadline = time.monotonic() + IDLE_TIMEOUT_S
-        while True:
-            after = server.metrics()
-            ended = delta(after, before, "finished_total") + delta(after, before, "aborted_total")
-            busy = sum(after.get(f"tiny_llm_requests_{k}", 0) for k in ("running", "waiting"))
-            if (busy == 0 and ended >= len(jobs)) or time.monotonic() > deadline:
-                break
-            time.sleep(0.2)
-        rss_end = rss_bytes(server.pid)
+        before, t0 = server.metrics(), time.perf_counter()
+        load = replay(server, trace, jobs, times, hangups)
+        records, samples = asyncio.run(harness.sampling_rss(server.pid, load, every_s=0.5))
+        after = metrics_once_idle(server, before, len(jobs))
+        rss_end = harness.rss_bytes(server.pid)
     return soak_report(args, trace, records, hangups, before, after, samples, t0, rss_end)
+
+
+def metrics_once_idle(server, before: dict, requests: int) -> dict[str, float]:
+    """The server's /metrics once it has ended `requests` requests since `before` and runs
+    none and queues none (or IDLE_TIMEOUT_S on, whatever it says then)."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        after = server.metrics()
+        ended = delta(after, before, "finished_total") + delta(after, before, "aborted_total")
+        busy = sum(after.get(f"tiny_llm_requests_{k}", 0) for k in ("running", "waiting"))
+        if (busy == 0 and ended >= requests) or time.monotonic() > deadline:
+            return after
+        time.sleep(0.2)
 
 
 def delta(after: dict, before: dict, key: str) -> float:
@@ -236,10 +188,8 @@ def ratio(ours, theirs, keys, at_least=None, at_most=None) -> dict[str, Any]:
     a, b = dig(ours, keys), dig(theirs, keys)
     value = a / b if a is not None and b else None
     met = None
-    if value is not None and at_least is not None:
-        met = value >= at_least
-    if value is not None and at_most is not None:
-        met = value <= at_most
+    if value is not None and (at_least, at_most) != (None, None):
+        met = (at_least is None or value >= at_least) and (at_most is None or value <= at_most)
     return {"tiny_llm": a, "mlx_lm": b, "ratio": value, "at_least": at_least,
             "at_most": at_most, "met": met}  # fmt: skip
 
@@ -337,7 +287,7 @@ def main(argv=None) -> int:
     e = p.add_argument_group("tiny-llm's server")
     e.add_argument("--batch-size", type=int_at_least(1), default=8, help="decode slots")
     for flag in ENGINE_FLAGS:
-        e.add_argument(flag, type=int_at_least(1), default=None, help="default: serve's")
+        e.add_argument("--" + flag.replace("_", "-"), type=int_at_least(1), help="default: serve's")
     o = p.add_argument_group("output")
     harness.add_output_arguments(o, "serving-<model>-<os>-<arch>-<N>cpu.json", plot=True)
     o.add_argument("--note", help="a note recorded in the JSON")
@@ -364,8 +314,7 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
     started = time.time()
     env, preloaded = harness.runs_environment(args.no_openblas)
     core = harness.probe_openblas_core(env, preloaded)
-    if hint := harness.openblas_hint(core):
-        harness.log(hint)
+    harness.log_runs_blas(preloaded, core)
     servers, runs = ["url"] if args.url else args.servers, []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         tmp = Path(tmp)
@@ -394,8 +343,8 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
 
 
 def run_line(run: dict[str, Any]) -> str:
+    """A run's line of progress: its requests completed, tokens/s and p95 latencies."""
     m = run["metrics"]
-    return (f"{run['server']} {run['trace']} {run['rate']:g} req/s: {m['completed']}/"
-            f"{m['requests']} completed, {m['output_tokens_per_s']:.2f} tok/s, TTFT p95 "
-            f"{ms(m['ttft']['p95_ms'])} ms, gap p95 {ms(m['inter_token_gap']['p95_ms'])} ms, "
-            f"e2e p95 {ms(m['e2e']['p95_ms'])} ms")  # fmt: skip
+    done = f"{m['completed']}/{m['requests']} completed, {m['output_tokens_per_s']:.2f} tok/s"
+    p95s = (f"{what} p95 {ms(m[key]['p95_ms'])} ms" for what, key in LATENCIES.items())
+    return ", ".join([f"{run['server']} {run['trace']} {run['rate']:g} req/s: {done}", *p95s])

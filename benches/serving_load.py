@@ -1,22 +1,22 @@
-"""bench-serving's load, which other benches share: the committed traces, streaming clients
-that replay them at their arrival times, a server in a process of its own, and the float32
-checkpoint the servers load.
+"""bench-serving's load: the committed traces, streaming clients that replay them at their
+arrival times, the servers they run against (tiny-llm, mlx-lm, or one at --url) and the float32
+checkpoint the servers load (which bench-ragged-step shares).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
 import re
 import shutil
-import socket
-import subprocess
+import sys
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from benches import harness
@@ -26,7 +26,8 @@ TRACES = {
     "agent": Path(__file__).resolve().parent / "traces" / "prefix-agent.json",
 }
 DEFAULT_LAYERS = 8  # a shortcut's shape: "the 8-layer Qwen3-0.6B shape"
-READY_TIMEOUT_S = 300  # a server that does not answer GET /v1/models by then failed to start
+SERVERS = ("tiny-llm", "mlx-lm", "mlx-lm-batch")
+ENGINE_FLAGS = ("prefill_step", "max_seq_len", "page_size", "max_pages")  # serve's, as in args
 
 
 # --- traces --------------------------------------------------------------------------------
@@ -230,60 +231,42 @@ def run_metrics(records: list[Record], rate: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-# --- servers -------------------------------------------------------------------------------
+# --- the servers, and one run against one --------------------------------------------------
 
 
-class Server:
-    """`command --port PORT` on a free loopback port, a fresh process in a session of its own
-    (Ctrl-C reaches the bench, which stops it), its output in `log_path`: ready once GET
-    /v1/models answers, stopped with SIGTERM (SIGKILL after 10 s)."""
-
-    def __init__(self, name: str, command: list[str], env: dict, log_path: Path, cwd=harness.ROOT):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.name, self.url = name, f"http://127.0.0.1:{self.port}"
-        self.cmd = [*command, "--port", str(self.port)]
-        self.env, self.log_path, self.cwd = env, log_path, cwd
-
-    def __enter__(self) -> Server:
-        with open(self.log_path, "w") as out:
-            self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT,
-                                         env=self.env, cwd=self.cwd, start_new_session=True)  # fmt: skip
-        self.pid, deadline = self.proc.pid, time.monotonic() + READY_TIMEOUT_S
-        while time.monotonic() < deadline and self.proc.poll() is None:
-            try:
-                urllib.request.urlopen(self.url + "/v1/models", timeout=2).read()
-                return self
-            except OSError:
-                time.sleep(0.25)
-        self.__exit__()
-        last = (self.log_path.read_text().strip().splitlines() or ["(no output)"])[-1]
-        raise SystemExit(f"error: {self.name} did not start: {last}")
-
-    def __exit__(self, *exc) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def metrics(self) -> dict[str, float]:
-        """tiny-llm's GET /metrics as {name: value} (Prometheus text, comments skipped)."""
-        text = urllib.request.urlopen(self.url + "/metrics", timeout=5).read().decode()
-        pairs = (line.split() for line in text.splitlines() if line and line[0] != "#")
-        return {name: float(value) for name, value in pairs}
+def start_server(name: str, ckpt: Path, args, env: dict, tmp: Path):
+    """The server `name` loading `ckpt` (a context manager), or --url's, already running."""
+    if name == "url":
+        url = args.url.rstrip("/").removesuffix("/v1")
+        return contextlib.nullcontext(SimpleNamespace(url=url, model_id=args.model_id, pid=None))
+    if name == "tiny-llm":  # serve's own defaults for the engine flags not given
+        flags = {flag: getattr(args, flag) for flag in ("batch_size", "solution", *ENGINE_FLAGS)}
+        server = harness.serve(tmp / f"{name}.log", env, model=ckpt, dtype="float32", **flags)
+    else:
+        cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(ckpt),
+               "--host", "127.0.0.1", "--log-level", "WARNING"]  # fmt: skip
+        if name == "mlx-lm-batch":  # its batch size set to ours
+            cmd += ["--decode-concurrency", str(args.batch_size)]
+            cmd += ["--prompt-concurrency", str(args.batch_size)]
+        server = harness.Server(name, cmd, env, tmp / f"{name}.log")
+    server.model_id = str(ckpt) if name == "tiny-llm" else "default_model"
+    return server
 
 
-def rss_bytes(pid: int | None) -> int | None:
-    """VmRSS of a process, from /proc (None where there is no such file)."""
-    try:
-        found = re.search(r"^VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text(), re.M)
-    except (OSError, TypeError):
-        return None
-    return int(found[1]) * 1024 if found else None
+def warm_up(server, trace: Trace) -> None:
+    """One short request, so that the run does not pay for the first compiles and loads."""
+    asyncio.run(replay(server, trace, [Job(0, 0, 0, trace.jobs[0].user[:200], 4)], [0.0]))
+
+
+def run_load(name: str, server, trace: Trace, rate: float, seed: int) -> dict[str, Any]:
+    """One (server, trace, rate) run: every request of the trace, and the run's numbers."""
+    rss_before = harness.rss_bytes(server.pid)
+    times = arrival_times(len(trace.jobs), rate, seed)
+    records = asyncio.run(replay(server, trace, trace.jobs, times))
+    metrics = {**run_metrics(records, rate), "rss_before_bytes": rss_before,
+               "rss_after_bytes": harness.rss_bytes(server.pid)}  # fmt: skip
+    return {"server": name, "trace": trace.name, "rate": rate, "metrics": metrics,
+            "requests": [r.summary() for r in records]}  # fmt: skip
 
 
 # --- the checkpoint the servers load --------------------------------------------------------

@@ -15,19 +15,17 @@ Writes benches/results/serving-overhead-<model>-linux-2cpu.json (or --json-outpu
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from benches import harness
-from benches.serving_load import Server
 from tiny_llm_support.cli import int_at_least
 
 NO_OPENBLAS = True  # the tiny model: python -m benches runs it on the bundled BLAS
 MODES = ("engine", "server")
+JSON_NAME = "serving-overhead-<model>-linux-2cpu.json"
 
 
 def chat_prompts(n: int) -> list[list[dict]]:
@@ -101,17 +99,15 @@ def timed(engine, name: str, per_call: bool = True) -> list[float]:
 def run_server(spec: dict[str, Any]) -> dict[str, Any]:
     import openai
 
-    flags = ["--model", spec["model"], "--batch-size", str(spec["batch_size"])]
-    command = [sys.executable, str(harness.ROOT / "serve.py"), *flags, "--max-seq-len", "1024"]
     log_path = Path(spec["output"]).with_suffix(".serve.log")
-    with Server("serve.py", command, dict(os.environ), log_path) as server:
+    flags = {"model": spec["model"], "batch_size": spec["batch_size"], "max_seq_len": 1024}
+    with harness.serve(log_path, **flags) as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
         messages = chat_prompts(spec["prompts"])
         stream(client, messages[0], 2, spec["model"])  # warm-up, as for the engine
         start = time.perf_counter()
         ask = lambda m: stream(client, m, spec["max_tokens"], spec["model"], start)
-        with ThreadPoolExecutor(len(messages)) as pool:  # every request at once, a thread each
-            results = list(pool.map(ask, messages))  # (time to first text, tokens) of each
+        results = harness.at_once(ask, messages)  # (time to first text, tokens) of each
         wall = time.perf_counter() - start
     tokens = sum(n for _, n in results)
     return {"mode": "server", "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
@@ -137,17 +133,13 @@ def stream(client, messages, max_tokens: int, model: str, start: float = 0.0) ->
 
 
 def main(argv=None) -> int:
-    p = harness.bench_parser("bench-serving-overhead", __doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny (the shipped chat model) or a path")
+    p = harness.served_bench_parser("bench-serving-overhead", __doc__, repeats_of="mode")
     p.add_argument("--prompts", type=int_at_least(1), default=8, help="requests, all at once")
     p.add_argument("--max-tokens", type=int_at_least(1), default=48, help="tokens per request")
     p.add_argument("--batch-size", type=int_at_least(1), default=4, help="decode slots")
-    p.add_argument("--repeats", type=int_at_least(1), default=3, help="runs of each mode")
-    harness.add_output_arguments(p, "serving-overhead-<model>-linux-2cpu.json")
+    harness.add_output_arguments(p, JSON_NAME)
     args = p.parse_args(argv)
-    harness.check_checkpoint_arg(p, args.model)
-    default = f"serving-overhead-{Path(args.model).name}-linux-2cpu.json"
-    harness.set_output_paths(p, args, harness.RESULTS / default)
+    harness.check_served_args(p, args, JSON_NAME)
     started, settings = time.time(), harness.arguments_json(args, ("json_output",))
     specs = [{"mode": m, "repeat": r, **settings} for r in range(args.repeats) for m in MODES]
     label = lambda spec: f"{spec['mode']}, repeat {spec['repeat'] + 1}"

@@ -25,8 +25,9 @@ from typing import Any
 import mlx.core as mx
 
 from benches import harness
+from benches.model_impls import MlxLmImpl
 from benches.trace_run import NoTextTokenizer, make_trace
-from tiny_llm_support import choose_device, mlx_lm_qwen3
+from tiny_llm_support import choose_device
 from tiny_llm_support.cli import default_dtype, int_at_least, load_solution
 
 PROMPT_LENGTHS = (104, 146, 311, 37, 1137)  # the seed's widths; 1137 = 512 + 512 + 113
@@ -127,8 +128,6 @@ def serve_prompts(api, ckpt, config: str, prompts: list[list[int]], args) -> dic
 def time_speeds(api, ckpt, tokens: list[int], args) -> dict[str, Any]:
     """Prefill of one chunk-wide prompt, and decode steps after it: the eager model, the
     compiled one and mlx-lm, in alternating order after a first round that warms up."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     prompt = mx.array([tokens])  # [1, L]
     seq_len = len(tokens) + args.decode_steps + 1
 
@@ -140,35 +139,32 @@ def time_speeds(api, ckpt, tokens: list[int], args) -> dict[str, Any]:
 
         return prefill, lambda cache: mx.eval(model(prompt[:, -1:], cache[0].offset, cache))
 
-    def theirs(model):
+    def theirs(impl: MlxLmImpl):
         def prefill():  # the last row through the head only, as logits_to_keep=1 does for ours
-            cache = make_prompt_cache(model)
-            h = model.model(prompt, cache)[:, -1:, :]  # [1, 1, D]
-            head = model.model.embed_tokens.as_linear if model.args.tie_word_embeddings else None
-            mx.eval(head(h) if head else model.lm_head(h))
+            logits, cache = impl.prefill(prompt)
+            mx.eval(logits)
             return cache
 
-        return prefill, lambda cache: mx.eval(model(prompt[:, -1:], cache=cache))
+        return prefill, lambda cache: mx.eval(impl.model(prompt[:, -1:], cache=cache))
 
     impls = {
         "eager": ours(api.Qwen3Model(ckpt, max_seq_len=seq_len)),
         "compiled": ours(api.Qwen3Model(ckpt, max_seq_len=seq_len, compiled=True)),
-        "mlx-lm": theirs(mlx_lm_qwen3(ckpt)),
+        "mlx-lm": theirs(MlxLmImpl(ckpt)),
     }
     times = {name: {"prefill_s": [], "decode_ms": []} for name in impls}
-    for repeat in range(args.repeats + 1):  # the first round warms up (and compiles)
-        for name in impls if repeat % 2 == 0 else reversed(list(impls)):
-            prefill, decode = impls[name]
+    for repeat, _, name in harness.plan_runs(list(impls), args.repeats + 1):
+        prefill, decode = impls[name]
+        t = time.perf_counter()
+        cache = prefill()
+        prefill_s, steps = time.perf_counter() - t, []
+        for _ in range(args.decode_steps):
             t = time.perf_counter()
-            cache = prefill()
-            prefill_s, steps = time.perf_counter() - t, []
-            for _ in range(args.decode_steps):
-                t = time.perf_counter()
-                decode(cache)
-                steps.append((time.perf_counter() - t) * 1e3)
-            if repeat:
-                times[name]["prefill_s"].append(prefill_s)
-                times[name]["decode_ms"] += steps
+            decode(cache)
+            steps.append((time.perf_counter() - t) * 1e3)
+        if repeat:  # the first round warms up (and compiles)
+            times[name]["prefill_s"].append(prefill_s)
+            times[name]["decode_ms"] += steps
     return {"config": "speeds", "prompt_tokens": len(tokens), "decode_steps": args.decode_steps,
             "times": times}  # fmt: skip
 

@@ -144,29 +144,29 @@ def make_trace_file(name: str, tokenizer) -> str:
     )
     head = {"schema": TRACE_SCHEMA, "name": name, "about": about, "generator": generator,
             "max_tokens": TRACE_MAX_TOKENS, "contexts": contexts}  # fmt: skip
-    lines = [f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}," for k, v in head.items()]
-    lines.append('  "requests": [')
-    lines.append(",\n".join(f"    {json.dumps(r, ensure_ascii=True)}" for r in requests))
-    return "\n".join(["{", *lines, "  ]", "}"]) + "\n"
+    rows = ",\n".join(f"    {json.dumps(r, ensure_ascii=True)}" for r in requests)
+    return trace_run.trace_text(head, {"requests": f"[\n{rows}\n  ]"})
 
 
 def read_trace(path: Path) -> tuple[dict[str, Any], str]:
     """A trace file's contents and the SHA-256 of its bytes."""
-    data, sha = trace_run.read_trace_file(path, TRACE_SCHEMA)
+    return trace_run.read_trace_file(path, TRACE_SCHEMA, trace_problem)
+
+
+def trace_problem(data: dict[str, Any]) -> str | None:
+    """What a trace file's contents lack, or None."""
     requests, contexts = data.get("requests"), data.get("contexts")
     if not isinstance(requests, list) or not requests or not isinstance(contexts, dict):
-        raise trace_run.TraceError(f"{path}: needs 'requests' (a non-empty list) and 'contexts'")
+        return "needs 'requests' (a non-empty list) and 'contexts'"
     for i, r in enumerate(requests):
-        ids = r.get("prompt_ids") if isinstance(r, dict) else None
-        ok = isinstance(ids, list) and ids and all(isinstance(t, int) for t in ids)
+        ok = isinstance(r, dict) and trace_run.is_token_ids(r.get("prompt_ids"))
         ok = ok and isinstance(r.get("question"), str) and r.get("context") in (None, *contexts)
         if not ok:
-            raise trace_run.TraceError(
-                f"{path}: request {i} needs a 'question', a 'context' (null or one of "
-                "'contexts') and 'prompt_ids' (token ids)"
+            return (
+                f"request {i} needs a 'question', a 'context' (null or one of 'contexts') "
+                "and 'prompt_ids' (token ids)"
             )
-    trace_run.check_max_tokens(path, data)
-    return data, sha
+    return None
 
 
 # --- one mode, in its own process -------------------------------------------------------------
@@ -278,10 +278,9 @@ def serve_mlx_lm(model, draft, k: int | None, ckpt: Checkpoint, prompts, max_tok
     token after the kept guesses). Decode: from the first pass's end to the last token (mlx-lm
     prefills its draft before the first token, outside it)."""
     from mlx_lm.generate import stream_generate
-    from mlx_lm.tokenizer_utils import TokenizerWrapper
 
     eos = ckpt.tokenizer.eos_token_ids
-    wrapper = TokenizerWrapper(trace_run.IdsOnlyTokenizer(), eos_token_ids=sorted(eos))
+    wrapper = trace_run.mlx_lm_tokenizer(eos)
     kwargs = {} if draft is None else {"draft_model": draft, "num_draft_tokens": k}
     outputs, decode = [], {"tokens": 0, "s": 0.0, "passes": 0, "rows": 0}
     counts, t0 = {"passes": 0, "proposed": 0, "accepted": 0}, time.perf_counter()
@@ -387,13 +386,9 @@ def load_traces(p: argparse.ArgumentParser, args, tokenizer):
     prompts, about = {}, {}
     for name in TRACE_NAMES:
         path = args.trace_dir / f"speculative-{name}.json"
-        try:
-            data, sha = read_trace(path)
-        except trace_run.TraceError as e:
-            p.error(str(e))
         default = (DEFAULT_TRACES[name], DEFAULT_TRACE_SHA256[name])
         remake = "regenerate both with --write-traces"
-        committed = trace_run.is_committed_trace(p, path, sha, default, remake)
+        data, sha, committed = trace_run.load_trace(p, path, read_trace, default, remake)
         requests = data["requests"][: args.requests]
         prompts[name] = [chat_prompt(tokenizer, data["contexts"], r) for r in requests]
         same = prompts[name] == [r["prompt_ids"] for r in requests]
@@ -407,17 +402,34 @@ def load_traces(p: argparse.ArgumentParser, args, tokenizer):
     return prompts, about
 
 
+def write_traces(p: argparse.ArgumentParser, folder: Path, tokenizer) -> int:
+    """--write-traces: both trace files, made with `tokenizer`, in `folder`."""
+    paths = {name: folder / f"speculative-{name}.json" for name in TRACE_NAMES}
+    harness.check_outputs(p, *paths.values())
+    for name, path in paths.items():
+        trace_run.write_trace_file(path, make_trace_file(name, tokenizer))
+    return 0
+
+
+def draft_models(model: harness.BenchModel, modes: list[Mode], offline: bool):
+    """The draft of every draft mode, by name ("self" or its layers): the same checkpoint, cut
+    to its first layers."""
+    return {
+        str(m.draft_layers or "self"): harness.resolve_bench_model(
+            model.path, False, m.draft_layers or model.num_layers, 0, offline or None
+        )
+        for m in modes
+        if m.kind == "draft"
+    }
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     model, modes = check_args(p, args)
     tokenizer = load_tokenizer(model.path)
     if args.write_traces is not None:
-        paths = {name: args.write_traces / f"speculative-{name}.json" for name in TRACE_NAMES}
-        harness.check_outputs(p, *paths.values())
-        for name, path in paths.items():
-            trace_run.write_trace_file(path, make_trace_file(name, tokenizer))
-        return 0
+        return write_traces(p, args.write_traces, tokenizer)
     prompts, about = load_traces(p, args, tokenizer)
     contexts = trace_requests("grounded")[0]
     warmup = [chat_prompt(tokenizer, contexts, {"question": q, "context": c}) for q, c in WARMUP]
@@ -426,13 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     started = time.time()
     env, preloaded = harness.runs_environment(args.no_openblas)
     core = harness.runs_openblas_core(env, preloaded)
-    drafts = {  # the same checkpoint, cut to its first layers
-        str(m.draft_layers or "self"): harness.resolve_bench_model(
-            model.path, False, m.draft_layers or model.num_layers, 0, args.offline or None
-        )
-        for m in modes
-        if m.kind == "draft"
-    }
+    drafts = draft_models(model, modes, args.offline)
     named = ", ".join(f"{k} ({d.num_layers} layers)" for k, d in drafts.items())
     harness.log_model(model, args, f"; drafts: {named or 'none'}")
     for name, a in about.items():
@@ -458,7 +464,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "drafts": {k: d.describe() for k, d in drafts.items()},
                 "modes": {m.name: m.describe(model.num_layers) for m in modes}, "traces": about,
                 "mlx_lm_version": harness.package_version("mlx-lm")}  # fmt: skip
-    blas = {**harness.runs_blas(runs, env, preloaded, core), "environment": harness.environment()}
+    blas = harness.runs_blas(runs, env, preloaded, core)
     goals = targets(summary["rows"])
     report = harness.report("speculative", started, settings, runs, summary, goals, blas)
     harness.write_report(args, report, table)
@@ -466,8 +472,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def run_line(run: dict[str, Any]) -> str:
-    rows = [f"{r['trace']} b{r['batch_size']} {_fmt(r['decode_tokens_per_s'], '.0f')} tok/s "
-            f"{_fmt(r['tokens_per_pass'], '.2f')}/pass" for r in run["rows"]]  # fmt: skip
+    rows = [f"{r['trace']} b{r['batch_size']} {harness.number(r['decode_tokens_per_s'])} tok/s "
+            f"{harness.number(r['tokens_per_pass'], '.2f')}/pass" for r in run["rows"]]  # fmt: skip
     return f"{run['mode']}: {run['process_s']:.1f} s; {'; '.join(rows)}"
 
 
@@ -481,17 +487,13 @@ def agreement(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for row in (row for run in runs if run["mode"] == "plain" for row in run["rows"]):
         reference.setdefault((row["trace"], row["batch_size"]), row["outputs"])
     for row in (row for run in runs for row in run["rows"]):
-        pairs = list(zip(row.pop("outputs"), reference[row["trace"], row["batch_size"]]))
-        differ = [i for i, (a, b) in enumerate(pairs) if a["token_ids"] != b["token_ids"]]
-        first = None
-        if differ:
-            a, b = (o["token_ids"] for o in pairs[differ[0]])
-            at = harness.first_difference(a, b, min(len(a), len(b)))
-            first = {"request": differ[0], "token": at}
-        row["mismatched_requests"] = len(differ)
-        row["mismatched_texts"] = sum(a["text"] != b["text"] for a, b in pairs)
-        row["first_mismatch"] = first
-        row["finish_reasons"] = sorted({a["finish_reason"] for a, _ in pairs})
+        outputs = row.pop("outputs")
+        found = trace_run.compare_answers(outputs, reference[row["trace"], row["batch_size"]])
+        first = found["first"]
+        row["mismatched_requests"] = found["ids"]
+        row["mismatched_texts"] = found["texts"]
+        row["first_mismatch"] = None if first is None else {"request": first[0], "token": first[1]}
+        row["finish_reasons"] = sorted({o["finish_reason"] for o in outputs})
     answers = {}
     keep = ("prompt_tokens", "generated_tokens", "finish_reason", "text", "token_ids")
     for trace in TRACE_NAMES:
@@ -564,32 +566,25 @@ def targets(lines: list[dict[str, Any]]) -> dict[str, Any]:
 COLUMNS = {"decode tok/s": "decode_tokens_per_s", "tok/pass": "tokens_per_pass",
            "tok/row": "tokens_per_row", "accept": "acceptance",
            "e2e tok/s": "generated_tokens_per_s"}  # fmt: skip
+SPEEDUPS = ("speedup_vs_plain", "speedup_vs_mlx_lm_plain")  # and their columns: x plain, x mlx-lm
 
 
 def table(report: dict[str, Any]) -> str:
     """Per (mode, trace, batch size) the medians and speed-ups, then each target, met or not."""
     rows = []
     for x in sorted(report["summary"]["rows"], key=lambda x: (x["batch_size"], x["trace"])):
-        numbers = [_fmt(x["median"][k], ".2f") for k in COLUMNS.values()]
-        speedups = [_fmt(x[k], ".2f") for k in ("speedup_vs_plain", "speedup_vs_mlx_lm_plain")]
+        numbers = [harness.number(x["median"][k], ".2f") for k in COLUMNS.values()]
+        speedups = [harness.number(x[k], ".2f") for k in SPEEDUPS]
         rows.append([x["mode"], x["trace"], str(x["batch_size"]), *numbers, *speedups,
                      str(x["mismatched_requests"])])  # fmt: skip
     head = ["mode", "trace", "b", *COLUMNS, "x plain", "x mlx-lm", "diff"]
     lines = [harness.table(head, rows, "medians over runs; diff: answers unlike plain's, all runs")]
-    t, met = report["targets"], lambda ok: "met" if ok else "NOT met"
+    t = report["targets"]
     for mode, e in t["lookup"].items():
-        lines.append(
-            f"target {mode}: grounded {_fmt(e['grounded_speedup'], '.2f')}x (at least "
-            f"{t['grounded_speedup_at_least']}: {met(e['grounded_met'])}), ungrounded "
-            f"{_fmt(e['ungrounded_speedup'], '.2f')}x (at least "
-            f"{t['ungrounded_speedup_at_least']}: {met(e['ungrounded_met'])})"
-        )
-    same = t["identical_answers"]
-    lines.append(
-        f"target identical answers: {same['mismatched_requests']} mismatched: {met(same['met'])}"
-    )
+        for trace in TRACE_NAMES:
+            speedup = harness.number(e[f"{trace}_speedup"], ".2f")
+            bound, met = t[f"{trace}_speedup_at_least"], harness.met(e[f"{trace}_met"])
+            lines.append(f"target {mode} {trace}: {speedup}x (at least {bound}): {met}")
+    same, met = t["identical_answers"], harness.met(t["identical_answers"]["met"])
+    lines.append(f"target identical answers: {same['mismatched_requests']} mismatched: {met}")
     return "\n".join(lines)
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)

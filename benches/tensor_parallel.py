@@ -18,8 +18,6 @@ Writes benches/results/tensor-parallel-<model>[-<N>layers].json and prints a tab
 from __future__ import annotations
 
 import gc
-import json
-import os
 import tempfile
 import time
 from collections.abc import Sequence
@@ -34,26 +32,6 @@ from tiny_llm_support import choose_device, launch
 from tiny_llm_support.cli import DTYPES, int_at_least, load_solution
 
 ALL_SUM_REPEATS = 20
-RANKS_TIMEOUT_S = 3600
-
-
-def run_ranks(module: str, tmp: Path, k: int, total: int, spec: dict, what: str) -> list[dict]:
-    """Run k of a plan as spec["ranks"] fresh processes: 1 rank as a plain one (run_fresh),
-    more under mlx.launch, every rank running `python -m benches NAME --child-spec FILE` and
-    writing its record where spec["output"] says with {rank} filled in (its measure() does
-    it). Every rank's record, in rank order."""
-    if spec["ranks"] == 1:
-        return [harness.run_fresh(module, tmp, k, total, dict(os.environ), spec, what)]
-    spec_path, output = tmp / f"run-{k}.json", str(tmp / f"result-{k}-rank{{rank}}.json")
-    spec_path.write_text(json.dumps({**spec, "sequence": k, "output": output}))
-    command = harness.bench_command(module, "--child-spec", str(spec_path))[1:]
-    start = time.perf_counter()
-    failure = launch.run_ranks(command, spec["ranks"], timeout=RANKS_TIMEOUT_S)
-    if failure:
-        raise SystemExit(f"error: run {k + 1}/{total} ({what}): {failure}")
-    process_s = time.perf_counter() - start
-    records = [json.loads(Path(output.format(rank=r)).read_text()) for r in range(spec["ranks"])]
-    return [{**r, "process_s": process_s} for r in records]
 
 
 # --- one rank ------------------------------------------------------------------------------
@@ -98,16 +76,14 @@ def all_sum_ms(group, shape: tuple[int, int], dtype: mx.Dtype) -> float:
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank (`python -m benches tensor-parallel --child-spec FILE`): its memory and times."""
     s, ranks = spec["settings"], spec["ranks"]
-    group = mx.distributed.init(strict=True, backend="ring") if ranks > 1 else None
-    rank = group.rank() if group is not None else 0
-    spec["output"] = spec["output"].format(rank=rank)  # where child_main writes: a file a rank
+    group = harness.join_group(spec)
     choose_device(s["device"])
     api = load_solution(s["solution"])
     bench_model = harness.BenchModel.from_dict(spec["model"])
     ckpt = bench_model.load(s["dtype"])  # the same random weights on every rank
     max_seq_len = max(s["prefill_len"], s["context"] + s["decode_steps"] + 2)
     model = api.Qwen3Model(ckpt, max_seq_len=max_seq_len)
-    if group is not None:
+    if ranks > 1:
         model.shard(group)
     del ckpt
     gc.collect()
@@ -120,7 +96,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     context = mx.random.randint(0, high, (1, s["context"]), key=mx.random.key(2))
     decode, kv_bytes = measure_decode(model, context, s["decode_steps"])
     record = {
-        "rank": rank,
+        "rank": group.rank(),
         "ranks": ranks,
         "weights_bytes": weights_bytes,
         "kv_cache_bytes": kv_bytes,
@@ -130,7 +106,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
         "decode_step_s": decode,
         "decode_step_ms_median": harness.median(decode) * 1000,
     }
-    if group is not None:
+    if ranks > 1:
         e, dtype = bench_model.qwen3_config.hidden_size, DTYPES[s["dtype"]]
         record["all_sum_ms_decode_message"] = all_sum_ms(group, (1, e), dtype)
         record["all_sum_ms_prefill_message"] = all_sum_ms(group, (s["prefill_len"], e), dtype)
@@ -163,6 +139,16 @@ def by_ranks(settings: dict, config, runs: list[dict]) -> dict[str, dict]:
             "bytes_sent_per_rank_per_token": per_token * 2 * (n - 1) / n,
         }
     return rows
+
+
+def run_label(spec: dict[str, Any]) -> str:
+    """A run (its spec, or a record of it) in the progress lines: its rank count."""
+    return f"{spec['ranks']} rank(s)"
+
+
+def run_line(records: list[dict[str, Any]]) -> str:
+    """What a run measured, for the progress lines: rank 0's decode step."""
+    return f"{run_label(records[0])}: decode step {records[0]['decode_step_ms_median']:.1f} ms"
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -211,16 +197,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     harness.log_model(model, args)
     settings = {**harness.arguments_json(args, ["json_output"]),
                 "device": harness.device_name(args.device)}  # fmt: skip
-    runs = []
+    shared = {"model": model.to_dict(), "settings": settings, "solution": args.solution}
+    specs = [{**shared, "ranks": n} for n in args.ranks]
     with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
-        with harness.Progress(len(args.ranks)) as progress:
-            for k, n in enumerate(args.ranks):
-                what = f"{n} rank(s)"
-                progress.start(what)
-                spec = {"model": model.to_dict(), "settings": settings, "ranks": n,
-                        "solution": args.solution}  # fmt: skip
-                runs += run_ranks(__name__, Path(tmp), k, len(args.ranks), spec, what)
-                progress.done(f"{what}: decode step {runs[-n]['decode_step_ms_median']:.1f} ms")
+        by_run = harness.run_rank_plan(__name__, specs, Path(tmp), run_label, run_line)
+    runs = [record for records in by_run for record in records]
     summary = {"by_ranks": by_ranks(settings, config, runs)}
     report = harness.report("tensor-parallel", started, {**settings, "model": model.describe()},
                             runs, summary)  # fmt: skip

@@ -24,20 +24,18 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 from benches import harness
-from benches.serving_load import Server
 from tiny_llm_support.cli import int_at_least
 from tiny_llm_support.demo_prompts import DEMO_PROMPTS
 
 NO_OPENBLAS = True  # the tiny model: python -m benches runs it on the bundled BLAS
 QUESTIONS = [p.question for p in DEMO_PROMPTS if p.context is None]  # short chat prompts
 PHASES = ("concurrent", "sequential")
+JSON_NAME = "token-delivery-<model>-<host>.json"
 BURST_ARRIVAL_S, BURST_SAMPLED_S = 0.001, 0.005
 SPIN = "import time\nend = time.monotonic() + 600\nwhile time.monotonic() < end: pass"  # --load
 
@@ -46,10 +44,9 @@ Chunks = list[tuple[float, float | None]]  # (arrival, sampled) of each event of
 
 def run_server(root: Path, args, tmp: Path) -> dict[str, Any]:
     """One run: serve.py of the checkout `root`; its streams at once, then one at a time."""
-    flags = ["--model", args.model, "--batch-size", str(args.streams), "--max-seq-len", "512"]
-    command = [sys.executable, str(root / "serve.py"), *flags]
     env = {**os.environ, "TINY_LLM_STAMP_TOKENS": "1", "PYTHONPATH": str(root / "src")}
-    with Server("serve.py", command, env, tmp / "serve.log", cwd=root) as server:
+    flags = {"model": args.model, "batch_size": args.streams, "max_seq_len": 512}
+    with harness.serve(tmp / "serve.log", env, root, **flags) as server:
 
         def ask(i: int, max_tokens: int = args.max_tokens) -> Chunks:
             return stream(server.port, QUESTIONS[i % len(QUESTIONS)], max_tokens, args.model)
@@ -57,25 +54,13 @@ def run_server(root: Path, args, tmp: Path) -> dict[str, Any]:
         ask(0, 4)  # warm-up
         busy = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(args.load)]
         try:
-            concurrent = at_once(ask, args.streams)
+            concurrent = harness.at_once(ask, range(args.streams))
             sequential = [ask(i) for i in range(args.sequential)]
         finally:
             for p in busy:
                 p.terminate()
                 p.wait(timeout=30)
     return {"concurrent": phase(concurrent), "sequential": phase(sequential)}
-
-
-def at_once(ask, n: int) -> list[Chunks]:
-    """ask(i) for i < n, on n threads that start together."""
-    start = threading.Barrier(n)
-
-    def one(i: int) -> Chunks:
-        start.wait()
-        return ask(i)
-
-    with ThreadPoolExecutor(n) as pool:
-        return list(pool.map(one, range(n)))
 
 
 def stream(port: int, question: str, max_tokens: int, model: str) -> Chunks:
@@ -124,23 +109,19 @@ def merged(runs: list[dict], server: str, phase: str) -> dict[str, Any]:
 
 
 def main(argv=None) -> int:
-    p = harness.bench_parser("bench-token-delivery", __doc__.split("\n\n")[0])
-    p.add_argument("--model", default="tiny", help="tiny (the shipped chat model) or a path")
+    p = harness.served_bench_parser("bench-token-delivery", __doc__, repeats_of="server")
     p.add_argument("--streams", type=int_at_least(1), default=8, help="streams started at once")
     p.add_argument("--sequential", type=int_at_least(1), default=8, help="streams one at a time")
     p.add_argument("--max-tokens", type=int_at_least(1), default=64, help="tokens per stream")
-    p.add_argument("--repeats", type=int_at_least(1), default=3, help="runs of each server")
     p.add_argument("--before", type=Path, help="a checkout whose serve.py runs alternately")
     p.add_argument("--load", type=int, default=0, help="busy processes beside the server")
-    harness.add_output_arguments(p, "token-delivery-<model>-<host>.json")
+    harness.add_output_arguments(p, JSON_NAME)
     args = p.parse_args(argv)
     if not 0 <= args.load <= 64:
         p.error("--load must be in 0..64")
     if args.before is not None and not (args.before / "serve.py").is_file():
         p.error(f"--before {args.before}: no serve.py there")
-    harness.check_checkpoint_arg(p, args.model)
-    default = f"token-delivery-{Path(args.model).name}-{harness.host_slug()}.json"
-    harness.set_output_paths(p, args, harness.RESULTS / default)
+    harness.check_served_args(p, args, JSON_NAME)
     servers = {"process": harness.ROOT}  # the engine in a process of its own
     if args.before is not None:
         servers["thread"] = args.before.resolve()  # the engine on a thread (before issue 40)

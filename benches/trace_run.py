@@ -3,7 +3,8 @@ solution's own batch_generate (or mlx-lm's BatchGenerator) serves the whole trac
 request exactly its budget (ignore_eos=True), watched only through on_step (BatchRecorder).
 
 Also what the benchmarks on committed trace files share (prefix_cache, speculative): reading and
-checking such a file, writing a new one, and the tokenizer mlx-lm gets for prompts of ids.
+checking such a file, writing a new one, the tokenizer mlx-lm gets for prompts of ids, and
+how one run's answers compare with another's.
 """
 
 from __future__ import annotations
@@ -13,13 +14,13 @@ import dataclasses
 import hashlib
 import json
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from benches.harness import canonical_sha256, log, replace_file, summarize
+from benches.harness import canonical_sha256, first_difference, log, replace_file, summarize
 from tiny_llm_support.batch_recorder import BatchRecorder
 
 
@@ -257,8 +258,12 @@ class TraceError(ValueError):
     """A trace file that cannot be used; the message says why."""
 
 
-def read_trace_file(path: Path, schema: str) -> tuple[dict[str, Any], str]:
-    """A trace file's JSON object, of `schema`, and the SHA-256 of the file's bytes."""
+def read_trace_file(
+    path: Path, schema: str, problem: Callable[[dict[str, Any]], str | None]
+) -> tuple[dict[str, Any], str]:
+    """A trace file's JSON object, of `schema`, and the SHA-256 of the file's bytes. A TraceError
+    for a file that cannot be used: problem(data) says what its content lacks (None: nothing),
+    and its max_tokens (every answer's budget) must be an integer >= 1."""
     try:
         raw = path.read_bytes()
         data = json.loads(raw)
@@ -266,14 +271,34 @@ def read_trace_file(path: Path, schema: str) -> tuple[dict[str, Any], str]:
         raise TraceError(f"cannot read the trace {path}: {e}") from None
     if not isinstance(data, dict) or data.get("schema") != schema:
         raise TraceError(f"{path} is not a trace of schema {schema}")
-    return data, hashlib.sha256(raw).hexdigest()
-
-
-def check_max_tokens(path: Path, data: dict[str, Any]) -> None:
-    """A trace file's max_tokens (every answer's budget) must be an integer >= 1."""
+    if (lacks := problem(data)) is not None:
+        raise TraceError(f"{path}: {lacks}")
     max_tokens = data.get("max_tokens")
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
         raise TraceError(f"{path}: 'max_tokens' must be an integer >= 1")
+    return data, hashlib.sha256(raw).hexdigest()
+
+
+def is_token_ids(ids: Any) -> bool:
+    """Whether `ids` is a non-empty list of token ids (integers >= 0)."""
+    return isinstance(ids, list) and bool(ids) and all(type(t) is int and t >= 0 for t in ids)
+
+
+def load_trace(
+    p: argparse.ArgumentParser,
+    path: Path,
+    read: Callable[[Path], tuple],
+    committed: tuple[Path, str],
+    remake: str,
+) -> tuple:
+    """What read(path) returns (a tuple ending with the SHA-256 of the file's bytes), then
+    whether the file is the committed trace (is_committed_trace); argparse's error for a file
+    that cannot be used."""
+    try:
+        read_back = read(path)
+    except TraceError as e:
+        p.error(str(e))
+    return (*read_back, is_committed_trace(p, path, read_back[-1], committed, remake))
 
 
 def is_committed_trace(
@@ -293,8 +318,39 @@ def is_committed_trace(
     return is_committed
 
 
+def trace_text(head: dict[str, Any], body: dict[str, str]) -> str:
+    """A trace file's text: every field of `head` on a line of its own (keys sorted within),
+    then every field of `body`, its JSON text laid out by the caller, so that a diff of the
+    file stays readable."""
+    fields = [f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in head.items()]
+    fields += [f"  {json.dumps(k)}: {text}" for k, text in body.items()]
+    return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
 def write_trace_file(path: Path, text: str) -> None:
     """A new trace file (ASCII), and a line with its SHA-256 (for DEFAULT_TRACE_SHA256)."""
     replace_file(path, text, encoding="ascii")
     sha = hashlib.sha256(text.encode("ascii")).hexdigest()
     log(f"wrote {path}: sha256 {sha}")
+
+
+def mlx_lm_tokenizer(eos_token_ids: Sequence[int] = ()) -> Any:
+    """The tokenizer mlx-lm's stream_generate gets for prompts of ids: IdsOnlyTokenizer in
+    mlx-lm's TokenizerWrapper, ending an answer at `eos_token_ids` (none: EOS ignored)."""
+    from mlx_lm.tokenizer_utils import TokenizerWrapper
+
+    return TokenizerWrapper(IdsOnlyTokenizer(), eos_token_ids=sorted(eos_token_ids))
+
+
+def compare_answers(answers: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict:
+    """How each answer (a dict with "token_ids" and "text") compares with the reference's answer
+    at the same place: "ids" and "texts", how many differ; "first", None where no ids differ,
+    else (the first answer whose ids differ, the first token where they do)."""
+    pairs = list(zip(answers, reference))
+    differ = [i for i, (a, b) in enumerate(pairs) if a["token_ids"] != b["token_ids"]]
+    first = None
+    if differ:
+        a, b = (answer["token_ids"] for answer in pairs[differ[0]])
+        first = (differ[0], first_difference(a, b, min(len(a), len(b))))
+    texts = sum(a["text"] != b["text"] for a, b in pairs)
+    return {"ids": len(differ), "texts": texts, "first": first}

@@ -5,7 +5,6 @@ import json
 
 from helpers import load_bench
 
-load_bench("serving_overhead")
 token_delivery = load_bench("token_delivery")
 
 

@@ -24,7 +24,7 @@ from benches.harness.progress import log
 __all__ = [
     "RESULTS", "canonical_json", "canonical_sha256", "replace_file", "write_json",
     "relative_path", "report", "write_report", "pyplot",
-    "save_figure", "table",
+    "save_figure", "table", "number", "met",
 ]  # fmt: skip
 
 RESULTS = Path(__file__).resolve().parent.parent / "results"  # where the benchmarks write JSON
@@ -151,3 +151,13 @@ def table(head: Sequence[str], rows: list[Sequence[str]], title: str | None = No
     out = io.StringIO()
     Console(file=out, width=240, color_system=None).print(grid)
     return "\n".join(line.rstrip() for line in out.getvalue().splitlines() if line.strip())
+
+
+def number(value: float | None, spec: str = ".0f") -> str:
+    """A number for a table: format(value, spec), or "n/a" for None (nothing measured)."""
+    return "n/a" if value is None else format(value, spec)
+
+
+def met(ok: bool) -> str:
+    """How a table says whether a target was met."""
+    return "met" if ok else "NOT met"
