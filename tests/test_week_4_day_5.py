@@ -256,8 +256,16 @@ def proposers(impl, model, other_draft):
 
 def no_pages_past_the_end(engine):
     """After a pass, every running request's caches hold exactly its tokens, and its page
-    tables exactly the pages those need: rejected guesses took their pages with them."""
+    tables exactly the pages those need: rejected guesses took their pages with them. A draft
+    model's own cache holds no more than the request's either: its rejected guesses are gone."""
+    draft_caches = getattr(engine.speculative, "caches", {})  # DraftModel's, by prompt_idx
     for request in engine.scheduler.running():
+        draft = draft_caches.get(request.prompt_idx)
+        assert draft is None or draft[0].offset <= request.offset, (
+            f"request {request.prompt_idx}: after the pass the draft model's cache holds "
+            f"{draft[0].offset} tokens, the request's {request.offset}: keep_checked must call "
+            "proposer.rewind(request), so that the draft forgets its rejected guesses too"
+        )
         for cache in request.kv_cache:
             assert cache.offset == request.offset, (
                 f"request {request.prompt_idx}: a layer cache holds {cache.offset} tokens, the "
