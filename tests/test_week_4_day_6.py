@@ -13,6 +13,7 @@ routing) for the experts, and mlx-lm's qwen3_moe on the same synthetic checkpoin
 model; exact equalities for chunked == one-shot, batched == alone and paged == dense.
 """
 
+import importlib
 from pathlib import Path
 
 import mlx.core as mx
@@ -106,6 +107,31 @@ def test_route_picks_the_k_most_probable_experts(impl, norm):
         assert (sums < 1 - 1e-3).all(), "softmax weights of k < E experts sum to less than 1"
 
 
+@pytest.mark.parametrize("norm", [True, False], ids=["renormalized", "softmax-weights"])
+def test_route_takes_the_softmax_in_float32(impl, norm):
+    """bfloat16 logits: the weights come back in bfloat16, equal to the float32 softmax (and
+    renormalization) cast at the end. A softmax in bfloat16 rounds the probabilities first: a
+    third or more of the weights then differ in their last bit; float32 noise flips almost none."""
+    logits = (mx.random.normal((256, E), key=mx.random.key(2)) * 3).astype(mx.bfloat16)
+    experts, weights = impl.route(logits, K, norm)
+    assert weights.dtype == mx.bfloat16, (
+        f"route returned {weights.dtype} weights for bfloat16 logits: cast them back to the "
+        "logits' dtype at the end"
+    )
+    probs = mx.softmax(logits.astype(mx.float32), axis=-1)  # [N, E]
+    want = mx.take_along_axis(probs, experts.astype(mx.int32), axis=-1)  # [N, k]
+    if norm:
+        want = want / want.sum(axis=-1, keepdims=True)
+    differ = (weights != want.astype(mx.bfloat16)).mean().item()
+    assert differ <= 0.02, (
+        f"{differ:.0%} of the bfloat16 weights differ from the float32 softmax"
+        + (" and renormalization" if norm else "")
+        + " cast to bfloat16 at the end: take the softmax in float32 (logits.astype(mx.float32))"
+        " and cast the weights back only after they are picked"
+        + (" and renormalized" if norm else "")
+    )
+
+
 def test_route_ties_change_nothing(impl):
     """Two chosen experts of equal probability: both are chosen, with equal weights."""
     logits = mx.array([[3.0, 0.0, 3.0, -1.0, 0.5, 0.2, -2.0, 1.0]])
@@ -139,7 +165,9 @@ def test_experts_equal_the_dense_masked_computation(impl, way):
     assert_close(
         got, mx.array(want),
         f"{way} against every expert on every token masked by the routing (were the routing "
-        "weights applied, and each output added to its own token?)", atol=1e-5, rtol=1e-5,
+        "weights applied, and each output added to its own token?"
+        + (" Was run_pairs' sort by expert undone?)" if way == "experts_grouped" else ")"),
+        atol=1e-5, rtol=1e-5,
     )  # fmt: skip
 
 
@@ -203,6 +231,38 @@ def test_the_block_equals_mlx_lm(impl, moe_ckpt, moe_model):
         finally:
             ours.grouped = None  # back to the per-call choice
         assert_close(got, theirs(x), f"sparse block (grouped={grouped}) vs mlx-lm", 1e-5, 1e-5)
+
+
+@pytest.mark.parametrize(
+    "grouped, tokens, want",
+    [(True, 5, "experts_grouped"), (False, 1, "experts_loop"),
+     (None, 1, "experts_grouped"), (None, 5, "experts_loop")],
+)  # fmt: skip
+def test_the_block_runs_the_path_use_grouped_picks(
+    impl, moe_model, monkeypatch, grouped, tokens, want
+):
+    """__call__ runs experts_grouped when self.use_grouped(N * k) says so, else experts_loop.
+    On the CPU, with grouped None, use_grouped is true for at most E pairs: 1 token is 2 pairs
+    (grouped), 5 tokens are 10 pairs (the loop; 5 alone would say grouped)."""
+    block = moe_model.layers[1].mlp
+    assert (block.w_gate.shape[0], block.top_k) == (E, K), "the tiny MoE: 2 of 8 experts (setup)"
+    module = importlib.import_module(type(block).__module__)
+    ran = []
+    for name in ("experts_loop", "experts_grouped"):
+        real = getattr(module, name)
+        monkeypatch.setattr(
+            module, name, lambda *a, real=real, name=name: ran.append(name) or real(*a)
+        )
+    block.grouped = grouped
+    try:
+        block(mx.random.normal((1, tokens, block.w_router.shape[1]), key=mx.random.key(12)))
+    finally:
+        block.grouped = None  # back to the per-call choice
+    assert ran == [want], (
+        f"grouped={grouped}, {tokens} tokens ({tokens * K} pairs): __call__ ran {ran or 'neither'}"
+        f", not [{want!r}]: run experts_grouped when self.use_grouped(N * k) is true for the "
+        "call's N * k pairs (not N), else experts_loop, once per call"
+    )
 
 
 def layouts(tmp_path_factory):
