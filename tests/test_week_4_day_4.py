@@ -108,7 +108,35 @@ def test_a_hash_collision_is_a_miss(impl, monkeypatch):
     other = pool.register(b, mod.ROOT, ids(9, 9, 9, 9))
     assert other != first, "a page whose key is taken by other content gets a fresh entry"
     assert pool.lookup(mod.ROOT, ids(9, 9, 9, 9)) is None
-    assert pool.lookup(mod.ROOT, ids(1, 2, 3, 4)).page == a, "the first content stays findable"
+    found = pool.lookup(mod.ROOT, ids(1, 2, 3, 4))
+    assert found is not None and found.page == a, (
+        "the first content stays findable under the one key every page gets here (a miss: "
+        "lookup or register call hash(...) inline instead of page_key)"
+    )
+
+
+def test_an_entry_is_never_handed_out_twice(impl):
+    """Entries name contents, not pages: after page a is evicted and refilled with other
+    content, that content gets a new entry, and the page registered after a's old content
+    (entry x) is not found after the new one."""
+    root = module(impl).ROOT
+    pool = shared_pool(impl, max_pages=2)
+    a, b = pool.allocate(), pool.allocate()
+    x = pool.register(a, root, ids(1, 1, 1, 1))
+    t = pool.register(b, x, ids(2, 2, 2, 2))
+    pool.free(a)
+    pool.free(b)  # both cached: a is the least recently used
+    assert pool.allocate() == a, "the least recently used cached page is evicted (setup)"
+    y = pool.register(a, root, ids(3, 3, 3, 3))
+    assert y not in (x, t), (
+        f"page {a}'s new content got entry {y}, already handed out ({x} and {t} were): an entry "
+        "must never be reused, not even after its page was evicted (count entries handed out; "
+        "the index's size or the page number repeat)"
+    )
+    assert pool.lookup(y, ids(2, 2, 2, 2)) is None, (
+        f"lookup after the new content of page {a} found the page registered after its old "
+        "content: the parent must be the entry of the content before, never its page number"
+    )
 
 
 # --- Task 2: reference counts and the LRU ---------------------------------------------------
@@ -155,7 +183,8 @@ def test_peak_in_use_counts_pages_however_a_table_took_them(impl):
     pool.hold(b)
     assert pool.num_in_use == 3 and pool.peak_in_use == 3, (
         f"a new page and two cached pages taken with hold(): peak_in_use {pool.peak_in_use}, "
-        "want 3 (update it in hold too)"
+        "want 3 (update it in hold too; and allocate must make a new page while the pool has "
+        "room, not evict a cached one)"
     )
     small = shared_pool(impl, max_pages=2)
     c = small.allocate()
@@ -459,6 +488,29 @@ def test_a_prompt_cached_to_its_end_still_takes_its_last_page_anew(impl, model, 
         )
     finally:
         first.release()
+        second.release()
+
+
+def test_cached_pages_no_request_holds_count_at_admission(impl, model, tokenizer):
+    """A prompt whose pages are cached but held by no running request (they wait on the LRU):
+    admission counts them all, since taking them off the LRU uses up pages an allocation could
+    have reclaimed."""
+    pools = model.create_kv_pools(page_size=PAGE, prefix_cache=True)
+    prompt = chat(random.Random(10), 4 * PAGE + 2)
+    first = impl.Request(model, tokenizer, prompt, pools=pools)
+    while not first.is_prefill_done:
+        first.try_prefill()
+    first.release()
+    assert pools[0].num_cached == 4, "the first request's 4 full pages wait on the LRU (setup)"
+    second = impl.Request(model, tokenizer, prompt, pools=pools)
+    try:
+        got = impl.tokens_to_admit(second)
+        assert got == len(prompt), (
+            f"tokens_to_admit of a {len(prompt)}-token prompt whose 4 full pages are cached "
+            f"but held by no request: {got}, want {len(prompt)}: subtract only the pages a "
+            "running request holds (pool.refs), not the cached ones on the LRU"
+        )
+    finally:
         second.release()
 
 
