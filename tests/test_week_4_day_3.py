@@ -237,6 +237,30 @@ def test_abort_of_an_unknown_or_finished_request_is_ignored(impl, model, tokeniz
     assert engine.step() == [] and not engine.has_work
 
 
+def test_remove_of_a_request_the_scheduler_does_not_hold_changes_nothing(
+    impl, model, tokenizer, prompts
+):
+    """Engine.abort never reaches Scheduler.remove for an unknown id, so remove is called here
+    directly, with a request of the same pools that the scheduler never saw."""
+    pools = model.create_kv_pools(page_size=4)
+    engine = engine_for(impl, model, tokenizer, pools)
+    stranger = impl.Request(model, tokenizer, prompts[0], pools=pools)
+    stranger.try_prefill()  # it holds pages of its own
+    in_use = pools[0].num_in_use
+    try:
+        removed = engine.scheduler.remove(stranger)
+        assert removed is False, (
+            f"remove() of a request the scheduler does not hold returned {removed!r}: it must "
+            "return False and change nothing"
+        )
+        assert pools[0].num_in_use == in_use, (
+            f"remove() of a request the scheduler does not hold left {pools[0].num_in_use} "
+            f"pages in use, {in_use} before: release only the requests it takes out"
+        )
+    finally:
+        stranger.release()
+
+
 def run_until_idle(engine, limit=500):
     outputs = []
     for _ in range(limit):
@@ -333,6 +357,12 @@ def test_stop_cut_holds_back_only_what_may_begin_a_stop(impl):
     assert impl.stop_cut("xay", ("ab", "yz")) == (2, False), "the longest held end of any stop"
     assert impl.stop_cut("an end", ("end", "an")) == (0, True), "the earliest stop wins"
     assert impl.stop_cut("plain", ()) == (5, False)
+    assert impl.stop_cut("wo", ("world",)) == (0, False), "all of 'wo' may begin 'world': hold it"
+    assert impl.stop_cut("\n", ("\n\n",)) == (0, False), "a lone newline may begin a blank line"
+    assert impl.stop_cut("hello wx", ("world",)) == (8, False), (
+        "'wx' begins no stop: hold back only an end of the text that equals a stop's beginning"
+    )
+    assert impl.stop_cut("xaa", ("aab",)) == (1, False), "'aa' may begin 'aab' ('a' alone too)"
 
 
 def stream_with_stop(impl, chat, stop, policy="alternate"):
