@@ -248,31 +248,41 @@ def rank_check_problems(
 ) -> list[str]:
     """Run a rank script's checks on `ranks` ranks (run_ranks) and return one line per check
     that failed on a rank. Skips (fails under TINY_LLM_REQUIRE_RANKS=1) where ranks cannot
-    start; fails at once when a rank died, hung in a check or did not run every check in
-    `names`."""
+    start; fails at once when a rank died, hung in a check (after every error the ranks
+    recorded, it names the earliest check in `names` that a rank waits in: the later ones wait
+    on it) or did not run every check in `names`."""
     try:
         found = run_ranks(script, args, out_dir, ranks, timeout=timeout)
     except FileNotFoundError as e:  # no mlx.launch
         ranks_cannot_start(str(e))
-    problems = []
+    problems, stuck, missing = [], [], []
     for rank in range(ranks):
         report = found[rank] or {}
         if report.get("init_error"):
             ranks_cannot_start(report["init_error"])
         if report.get("died"):
             pytest.fail(f"rank {rank} died: {report['died']}\n{found['output']}", pytrace=False)
-        if report.get("running"):
-            pytest.fail(
-                f"rank {rank} never finished {report['running']}: it waits in a collective that "
-                "no other rank matches (a recv whose shape or sender differs from the send, or a "
-                f"rank that skipped a collective the others run)\n{found['output']}",
-                pytrace=False,
-            )
         checks = report.get("checks", {})
-        missing = [name for name in names if name not in checks]
-        if missing:
-            pytest.fail(f"rank {rank} did not run {missing}\n{found['output']}", pytrace=False)
         problems += [f"rank {rank}, {name}: {err}" for name, err in checks.items() if err]
+        if report.get("running"):
+            order = names.index(report["running"]) if report["running"] in names else len(names)
+            stuck.append((order, rank, report["running"]))
+        missing += [(rank, name) for name in names if name not in checks]
+    if stuck:  # the earliest check a rank waits in points at the slip; later ones wait on it
+        _, rank, check = min(stuck)
+        pytest.fail(
+            "".join(f"{problem}\n" for problem in problems)
+            + f"rank {rank} never finished {check}: it waits in a collective that no other rank "
+            "matches (a recv whose shape or sender differs from the send, or a rank that skipped "
+            "a collective the others run); stuck: "
+            + ", ".join(f"rank {r} in {name}" for _, r, name in sorted(stuck))
+            + f"\n{found['output']}",
+            pytrace=False,
+        )
+    if missing:
+        pytest.fail(
+            f"checks that did not run (rank, check): {missing}\n{found['output']}", pytrace=False
+        )
     return problems
 
 

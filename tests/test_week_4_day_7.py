@@ -72,18 +72,28 @@ def test_window_mask_sees_each_query_and_the_window_before_it(impl, L, S, window
             pos = S - L + i
             raise AssertionError(
                 f"query {i} (position {pos}) with a window of {window} must see keys "
-                f"{max(0, pos - window + 1)}..{pos} ({window} positions: its own and the "
-                f"{window - 1} before), it sees {np.nonzero(seen[i])[0].tolist()}"
+                f"{max(0, pos - window + 1)}..{pos} ({min(window, pos + 1)} positions: its "
+                f"own and the {min(window, pos + 1) - 1} before), it sees "
+                f"{np.nonzero(seen[i])[0].tolist()}"
             )
+
+
+def test_window_mask_comes_in_the_dtype_asked_for(impl):
+    got = impl.window_mask(3, 9, 4, dtype=mx.float16)
+    assert got.dtype == mx.float16, (
+        f"window_mask(..., dtype=mx.float16) returned {got.dtype}: build the mask in `dtype` "
+        "(it is added to scores of that dtype)"
+    )
 
 
 # --- Task 2: flash attention over the band -------------------------------------------------------
 
 
-def fused_banded(q, k, v, window):
+def fused_banded(q, k, v, window, scale=None):
     L, S = q.shape[2], k.shape[2]
     mask = mx.where(mx.array(band(L, S, window)), 0.0, -mx.inf)
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=q.shape[-1] ** -0.5, mask=mask)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
 
 @pytest.mark.parametrize(
@@ -117,6 +127,19 @@ def test_windowed_attention_equals_fused_attention_with_a_band(impl, L, S, windo
         got, fused_banded(q, k, v, window),
         f"windowed attention (L={L}, S={S}, window={window}, block {block}) vs MLX's fused "
         "attention with the banded mask", atol=1e-5, rtol=1e-5,
+    )  # fmt: skip
+
+
+def test_windowed_attention_uses_the_scale_it_is_given(impl):
+    keys = mx.random.split(mx.random.key(3), 3)
+    q = mx.random.normal((1, 4, 6, 16), key=keys[0])
+    k = mx.random.normal((1, 2, 20, 16), key=keys[1])
+    v = mx.random.normal((1, 2, 20, 16), key=keys[2])
+    got = impl.windowed_attention(q, k, v, 8, scale=0.5, block_size=4)
+    assert_close(
+        got, fused_banded(q, k, v, 8, scale=0.5),
+        "windowed attention with scale=0.5 vs MLX's fused attention with the banded mask (use "
+        "`scale` when it is given, 1 / sqrt(D) only when it is None)", atol=1e-5, rtol=1e-5,
     )  # fmt: skip
 
 
@@ -214,6 +237,14 @@ def test_windowed_pages_go_back_while_the_request_decodes(impl, win_model, win_c
         tokens.append(mx.argmax(logits[0, -1]).item())
         logits = win_model(mx.array([tokens[-1:]]), len(tokens) - 1, cache)
         peak = [max(p, pool.num_in_use) for p, pool in zip(peak, pools)]
+        offset = len(tokens) - 1  # the cache's offset when this step released pages
+        want = max(0, offset - W + 1) // 4  # pages wholly before the step's first visible key
+        released = [c.released for c in cache if hasattr(c, "released")]
+        assert released == [want] * len(released), (
+            f"at offset {offset} (window {W}, pages of 4) the windowed layers have released "
+            f"{released} pages, want {want}: a page goes back as soon as all its positions are "
+            "before offset - window + 1, the first key the next query sees (not one step later)"
+        )
     held = [pool.num_in_use for pool in pools]
     assert held[0] == -(-len(tokens) // 4), f"the full-attention layer holds every page: {held}"
     most = -(-W // 4) + 1  # the window's pages, plus the page the window starts inside
