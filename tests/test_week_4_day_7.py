@@ -263,9 +263,10 @@ def test_windowed_pages_go_back_while_the_request_decodes(impl, win_model, win_c
 
 def test_a_rewind_within_the_window_keeps_the_text(impl, win_model, win_ckpt):
     """Speculative decoding (4.5) rewinds rejected guesses: with windowed paged layers the
-    greedy text is the plain one."""
+    greedy text is the plain one, from a prompt shorter than the window (its rewinds go below
+    W - 1 tokens, where nothing has left the window yet) and from longer ones."""
     tok = win_ckpt.tokenizer
-    prompts = [prompt_with_tokens(tok, n) for n in (12, 25)]
+    prompts = [prompt_with_tokens(tok, n) for n in (2, 12, 25)]
     plain = impl.batch_generate(
         win_model, tok, prompts, 96, 2, 8, win_model.create_kv_pools(page_size=4),
         max_new_tokens=24, ignore_eos=True, policy="hybrid",

@@ -157,7 +157,8 @@ class TinyKvWindowedPagedCache(AttendsTheWindow, TinyKvPagedCache):
         """Roll back to `length` tokens; the window of the query at `length` must still be
         held (a rewind of a few guessed tokens always is)."""
         check_rewind(length, self.offset)
-        if length - self.window + 1 < self.released * self.pool.page_size:
+        first_seen = max(0, length - self.window + 1)  # the first key the query at length sees
+        if first_seen < self.released * self.pool.page_size:
             raise ValueError(
                 f"cannot rewind to {length} tokens: the pages before position "
                 f"{self.released * self.pool.page_size} have left the window and gone back"
