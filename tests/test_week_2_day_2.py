@@ -5,6 +5,7 @@ either one must give the same logits at every step.
 """
 
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -66,6 +67,10 @@ def test_pool_allocates_frees_and_reuses(impl):
     pool = impl.TinyKvPagedPool(H_KV, D, page_size=4)
     pages = [pool.allocate() for _ in range(3)]
     assert sorted(pages) == [0, 1, 2], "a new page gets the next physical index"
+    assert pool.capacity >= pool.num_pages, (
+        f"{pool.num_pages} pages made, room for {pool.capacity} in the storage arrays: allocate "
+        "must call self._grow() when num_pages reaches capacity"
+    )
     after_three = {"num_pages": 3, "num_in_use": 3, "free": []}
     assert pages_of(pool) == after_three, "three new pages, all in use, none free"
     assert pool.key_pages[0].shape == pool.value_pages[0].shape == (H_KV, 4, D), (
@@ -95,9 +100,11 @@ def test_pool_free_rejects_free_and_foreign_pages(impl):
     pool.free(page)
     with pytest.raises(ValueError):
         pool.free(page)  # already free
+        pytest.fail(f"free({page}) of a page already free must raise ValueError")
     for foreign in (2, 100, -1):
         with pytest.raises(ValueError):
             pool.free(foreign)  # never handed out by this pool
+            pytest.fail(f"free({foreign}) of a page this pool never made must raise ValueError")
     assert pool.free_pages == [page], "a rejected free changes nothing"
     assert pool.num_in_use == 1, "a rejected free changes nothing"
 
@@ -246,8 +253,12 @@ def test_exhausted_pool_changes_nothing(impl):
     b.update_and_fetch(*random_kv(1, seed=1))  # 1 page
     # 9 more rows for b need 2 more pages; only 1 is left. Not even that one may be taken.
     before = state(pool, a=a, b=b)
-    with pytest.raises(impl.PagePoolExhausted):
+    with pytest.raises(impl.PagePoolExhausted) as refused:
         b.update_and_fetch(*random_kv(9, seed=2))
+    assert re.search(r"\b2\b", str(refused.value)), (
+        f"PagePoolExhausted said {str(refused.value)!r}: the message must say how many pages the "
+        "append needed (2)"
+    )
     assert_unchanged(
         before,
         state(pool, a=a, b=b),
@@ -281,7 +292,15 @@ def test_release_returns_every_page_and_they_are_reused(impl):
     first.update_and_fetch(*random_kv(4, seed=1))
     pages = set(first.page_table)
     assert len(pages) == 5 and pool.num_in_use == 5, "14 rows in pages of 3: 5 pages"
+    table, freed = list(first.page_table), []
+    free = pool.free
+    pool.free = lambda page: freed.append(page) or free(page)  # watch the order
     first.release()
+    del pool.free
+    assert freed == table[::-1], (
+        f"release() freed the pages in the order {freed}, the page table is {table}: free the "
+        "last page first (Week 4 Day 4's cached pages rely on it)"
+    )
     assert (first.offset, first.page_table) == (0, []), (
         "release() empties the page table and resets the offset to 0"
     )

@@ -90,7 +90,9 @@ def test_try_prefill_runs_one_chunk_per_call(impl, model, tokenizer, length):
     # The first token comes from the last chunk's logits, which match a one-shot prefill.
     one_shot = model(mx.array([ids]), 0, model.create_kv_cache())
     assert request.generated == [mx.argmax(one_shot[0, -1]).item()], (
-        "the first token is the argmax of the last chunk's last logits row"
+        "the first token is the argmax of the last chunk's last logits row (if only the "
+        "cases of several chunks fail here, the chunk's logits are wrong: check causal_mask and "
+        "RoPE's offset, as test_chunked_prefill_equals_one_shot_prefill says)"
     )
 
     with pytest.raises(ValueError):
@@ -163,6 +165,12 @@ def test_causal_string_is_the_rectangle_for_fewer_queries_than_keys(impl, h_q, h
     got = impl.scaled_dot_product_attention_grouped(q, k, v, mask="causal")
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=16**-0.5, mask="causal")
     np.testing.assert_allclose(np.array(got), np.array(want), atol=1e-5, rtol=1e-5)
+    half = [a.astype(mx.float16) for a in (q, k, v)]
+    got = impl.scaled_dot_product_attention_grouped(*half, mask="causal")
+    assert got.dtype == mx.float16, (
+        f"float16 queries gave {got.dtype} output: build the rectangle with causal_mask(L, S, "
+        "query.dtype), so that a float32 mask does not promote the scores"
+    )
 
 
 # --- Tasks 1 + 2: chunking is exact --------------------------------------------------------
@@ -281,7 +289,9 @@ def test_try_prefill_materializes_every_layer_after_every_chunk(impl, model, tok
         for layer in range(model.num_hidden_layers):
             # Once per chunk, after the chunk's keys/values were appended.
             assert seen[layer] == [min(step * (j + 1), length) for j in range(k + 1)], (
-                f"layer {layer} after chunk {k} (the cache holds {done} tokens)"
+                f"layer {layer} after chunk {k} (the cache holds {done} tokens): the list is the "
+                "cache's offset at each materialize() call ([] means it was never called on this "
+                "layer); try_prefill calls it on every layer after the chunk ran"
             )
     assert request.is_prefill_done, "the prompt is in after its last chunk"
     request.release()
@@ -361,7 +371,10 @@ def test_batching_cache_materialize_delegates_to_active_requests(impl):
     batch.add_request(caches[0], 0)
     batch.add_request(caches[1], 2)
     batch.materialize()
-    assert counts == [1, 1, 0]
+    assert counts == [1, 1, 0], (
+        f"materialize() calls per request cache {counts}: slots 0 and 2 are active, slot 1 empty: "
+        "call materialize() on the cache of every active slot, once"
+    )
     batch.remove_request(0)
     batch.add_request(caches[2], 1)
     batch.materialize()

@@ -92,7 +92,12 @@ def test_ragged_pass_equals_each_request_alone(impl, model, tokenizer, kind, pad
     assert logits.shape == (1, 4, model.config.vocab_size), "one logits row per segment"
     for i, (cache, r, n) in enumerate(zip(apart, rows, cached)):
         want = model(mx.array([r]), n, cache)[0, -1]
-        assert_close(logits[0, i], want, f"segment {i} ({len(r)} rows at offset {n})")
+        assert_close(
+            logits[0, i], want,
+            f"segment {i} ({len(r)} rows at offset {n}) against the request alone (check the "
+            "positions: each segment's cache offset, read before layer 0 appends; its own mask "
+            "over its own cache; and that the attention outputs go back in segment order)",
+        )  # fmt: skip
         assert together[i][0].offset == n + len(r), (
             f"segment {i}: its cache must grow by its own {len(r)} rows, no more "
             "(padding rows are written to no cache)"
@@ -150,10 +155,10 @@ class PassSpy:
         self.tokens = []  # per pass: the argmax of each segment's logits row, in segment order
         monkeypatch.setattr(module, "forward_ragged", self)
 
-    def __call__(self, model, tokens, segments):
+    def __call__(self, model, tokens, segments, rows=None):
         self.passes.append([(id(s.cache), s.length, s.cache[0].offset) for s in segments])
         self.widths.append(tokens.shape[1])
-        logits = self._forward(model, tokens, segments)
+        logits = self._forward(model, tokens, segments, rows=rows)
         self.tokens.append(mx.argmax(logits[0], axis=-1).tolist())
         return logits
 
@@ -175,7 +180,11 @@ def test_hybrid_generates_what_each_prompt_generates_alone(
     pools = model.create_kv_pools(page_size=4) if paged else None
     spy = PassSpy(impl, monkeypatch)
     out, log = run_hybrid(impl, model, tokenizer, prompts, budget, pools)
-    assert [t for _, t in out] == alone(), f"budget {budget}: hybrid text differs from alone"
+    assert [t for _, t in out] == alone(), (
+        f"budget {budget}: hybrid text differs from alone (the tests below name the likely "
+        "slip: run pytest without -x, or look at test_each_request_gets_the_token_of_its_own_"
+        "segment and test_ragged_pass_equals_each_request_alone)"
+    )
     assert spy.passes, "policy='hybrid' must run its passes through forward_ragged"
     for n, segments in enumerate(spy.passes):
         rows = sum(length for _, length, _ in segments)
@@ -268,6 +277,12 @@ def test_hybrid_events_carry_the_number_of_their_pass(traced):
                 f"{step.forward_pass}: hybrid_step must count its pass (scheduler.passes += 1) "
                 "before it reports the pass's events"
             )
+    kinds = [(s.forward_pass, s.kind) for s, _ in events if s.kind in ("prefill", "decode")]
+    for (pass_a, kind_a), (pass_b, kind_b) in zip(kinds, kinds[1:]):
+        assert not (pass_a == pass_b and (kind_a, kind_b) == ("decode", "prefill")), (
+            f"pass {pass_a} reported a prefill event after its decode event: report the "
+            '"prefill" event of each chunk first, then one "decode"'
+        )
 
 
 def test_every_decode_row_is_reported(traced):
