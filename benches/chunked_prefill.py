@@ -203,14 +203,11 @@ def run_label(spec: dict[str, Any]) -> str:
 def run_line(run: dict[str, Any]) -> str:
     """What one run measured, for the progress lines."""
     m = run["metrics"]
+    gap = harness.number(m["decode_gap_ms_p95"], ".1f")
     return (
         f"{setting_name(run)}: {run['process_s']:.1f} s in process, run {m['wall_s']:.2f} s, "
-        f"{m['output_tokens_per_s']:.2f} tok/s, p95 gap {number(m['decode_gap_ms_p95'])} ms"
+        f"{m['output_tokens_per_s']:.2f} tok/s, p95 gap {gap} ms"
     )
-
-
-def number(value: float | None, spec: str = ".1f") -> str:
-    return "n/a" if value is None else format(value, spec)
 
 
 def run_benchmark(args: argparse.Namespace, model: harness.BenchModel) -> dict[str, Any]:
@@ -305,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
 def summary_table(report: dict[str, Any]) -> str:
     rows = [
         [row["policy"], str(row["max_pages"] or "-"), str(row["prefill_step"]), str(row["runs"]),
-         *(number(row["median"][metric], spec) for metric, spec in COLUMNS.values())]
+         *(harness.number(row["median"][metric], spec) for metric, spec in COLUMNS.values())]
         for row in report["summary"]["budgets"]
     ]  # fmt: skip
     return harness.table(["policy", "pool", "prefill", "runs", *COLUMNS], rows) + (

@@ -286,14 +286,10 @@ def summary_table(report: dict[str, Any]) -> str:
         s, m = t["grouped_speedup_over_loop_prefill"], t["grouped_time_over_mlx_lm"]
         values = ", ".join(f"{k} {v:.2f}x" for k, v in m["values"].items())
         lines.append(f"target: grouped at least {s['target_at_least']}x faster than loop at "
-                     f"{s['case']}: {s['value']:.2f}x, {met(s)}")  # fmt: skip
+                     f"{s['case']}: {s['value']:.2f}x, {harness.met(s['met'])}")  # fmt: skip
         lines.append(f"target: grouped within {m['target_at_most']}x of mlx-lm's time: {values}: "
-                     f"{met(m)}")  # fmt: skip
+                     f"{harness.met(m['met'])}")  # fmt: skip
     return "\n".join(lines)
-
-
-def met(target: dict[str, Any]) -> str:
-    return "met" if target["met"] else "NOT met"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

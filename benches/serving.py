@@ -231,21 +231,17 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     return harness.save_figure(fig, path, title)
 
 
-def ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0f}"
-
-
 def summary_table(report: dict[str, Any]) -> str:
     head = ["server", "trace", "req/s", "done", "tok/s", "TTFT p50", "p95", "gap p50", "p95",
             "e2e p95", "same text", "sustained"]  # fmt: skip
     rows = []
     for r in report["runs"]:
         m, match = r["metrics"], r.get("text_match") or {}
+        times = [m["ttft"]["p50_ms"], m["ttft"]["p95_ms"], m["inter_token_gap"]["p50_ms"],
+                 m["inter_token_gap"]["p95_ms"], m["e2e"]["p95_ms"]]  # fmt: skip
         rows.append([r["server"], r["trace"], f"{r['rate']:g}",
                      f"{m['completed']}/{m['requests']}", f"{m['output_tokens_per_s']:.2f}",
-                     ms(m["ttft"]["p50_ms"]), ms(m["ttft"]["p95_ms"]),
-                     ms(m["inter_token_gap"]["p50_ms"]), ms(m["inter_token_gap"]["p95_ms"]),
-                     ms(m["e2e"]["p95_ms"]), "-" if not match else
+                     *map(harness.number, times), "-" if not match else
                      f"{match['identical']}+{match['identical_but_leading_space']}/{match['compared']}",
                      str(m["sustained"])])  # fmt: skip
     lines = [harness.table(head, rows, "times in ms; same text: identical + identical but for "
@@ -346,5 +342,5 @@ def run_line(run: dict[str, Any]) -> str:
     """A run's line of progress: its requests completed, tokens/s and p95 latencies."""
     m = run["metrics"]
     done = f"{m['completed']}/{m['requests']} completed, {m['output_tokens_per_s']:.2f} tok/s"
-    p95s = (f"{what} p95 {ms(m[key]['p95_ms'])} ms" for what, key in LATENCIES.items())
+    p95s = (f"{what} p95 {harness.number(m[k]['p95_ms'])} ms" for what, k in LATENCIES.items())
     return ", ".join([f"{run['server']} {run['trace']} {run['rate']:g} req/s: {done}", *p95s])
