@@ -285,18 +285,17 @@ def test_exhausted_pool_changes_nothing(impl):
 # --- Task 4: release and reuse -------------------------------------------------------------
 
 
-def test_release_returns_every_page_and_they_are_reused(impl):
+def test_release_returns_every_page_and_they_are_reused(impl, monkeypatch):
     pool = impl.TinyKvPagedPool(H_KV, D, page_size=3)
     first = impl.TinyKvPagedCache(pool)
     first.update_and_fetch(*random_kv(10, seed=0))
     first.update_and_fetch(*random_kv(4, seed=1))
     pages = set(first.page_table)
     assert len(pages) == 5 and pool.num_in_use == 5, "14 rows in pages of 3: 5 pages"
-    table, freed = list(first.page_table), []
-    free = pool.free
-    pool.free = lambda page: freed.append(page) or free(page)  # watch the order
-    first.release()
-    del pool.free
+    table, freed, free = list(first.page_table), [], pool.free
+    with monkeypatch.context() as watch:  # the order release() frees in
+        watch.setattr(pool, "free", lambda page: freed.append(page) or free(page))
+        first.release()
     assert freed == table[::-1], (
         f"release() freed the pages in the order {freed}, the page table is {table}: free the "
         "last page first (Week 4 Day 4's cached pages rely on it)"

@@ -253,11 +253,8 @@ def test_the_block_runs_the_path_use_grouped_picks(
         monkeypatch.setattr(
             module, name, lambda *a, real=real, name=name: ran.append(name) or real(*a)
         )
-    block.grouped = grouped
-    try:
-        block(mx.random.normal((1, tokens, block.w_router.shape[1]), key=mx.random.key(12)))
-    finally:
-        block.grouped = None  # back to the per-call choice
+    monkeypatch.setattr(block, "grouped", grouped)  # undone after the test
+    block(mx.random.normal((1, tokens, block.w_router.shape[1]), key=mx.random.key(12)))
     assert ran == [want], (
         f"grouped={grouped}, {tokens} tokens ({tokens * K} pairs): __call__ ran {ran or 'neither'}"
         f", not [{want!r}]: run experts_grouped when self.use_grouped(N * k) is true for the "
