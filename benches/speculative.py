@@ -14,15 +14,14 @@ plain greedy's (there must be none), speed-ups over plain; then the issue's targ
     OPENBLAS_CORETYPE=SkylakeX pdm run bench-speculative     # quick: --requests 4 --repeats 1
     pdm run bench-speculative --write-traces DIR              # make the traces, run nothing
 
-Writes benches/results/speculative-<model>-<host>.json.
+Writes benches/results/speculative-<model>-<host>.json. The traces are made and read in
+benches/speculative_traces.py; the modes, and how each serves a trace, are in
+benches/speculative_modes.py.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import re
 import tempfile
 import time
 from collections.abc import Sequence
@@ -32,141 +31,34 @@ from typing import Any
 import mlx.core as mx
 
 from benches import harness, trace_run
-from tiny_llm_support import Checkpoint, choose_device, load_tokenizer, mlx_lm_qwen3
-from tiny_llm_support.cli import SOLUTIONS, int_at_least, load_solution
-from tiny_llm_support.tiny_corpus import QA_FILE, file_sha256, parse_qa
+from benches.speculative_modes import (
+    Mode,
+    draft_checkpoint,
+    engine_server,
+    parse_mode,
+    serve_mlx_lm,
+)
+from benches.speculative_traces import (
+    DEFAULT_TRACE_SHA256,
+    DEFAULT_TRACES,
+    TRACE_NAMES,
+    TRACES_DIR,
+    chat_prompt,
+    make_trace_file,
+    read_trace,
+    warmup_prompts,
+)
+from tiny_llm_support import choose_device, load_tokenizer, mlx_lm_qwen3
+from tiny_llm_support.cli import int_at_least
 
-TRACE_SCHEMA = "tiny-llm/speculative-trace/v1"
-TRACES_DIR = Path(__file__).resolve().parent / "traces"
-TRACE_NAMES = ("grounded", "ungrounded")
-DEFAULT_TRACES = {name: TRACES_DIR / f"speculative-{name}.json" for name in TRACE_NAMES}
-# The SHA-256 of the committed trace files' bytes: a changed file is refused, so that results
-# under one name always come from the same prompts. Regenerate them with --write-traces and
-# update these lines together with them.
-DEFAULT_TRACE_SHA256 = {
-    "grounded": "48960c7450afb3d46f57f2ec189d033ab084c2a355c8e081482c66fc6520330e",
-    "ungrounded": "0c718493909598a1979e2baf644ffdc89779ab08669963d0b5e6d7a395ab5957",
-}
-TRACE_MAX_TOKENS = 128  # every answer of the tiny model ends at EOS well before this
-UNGROUNDED_EVERY = 3  # the ungrounded trace: every third context-free Q&A pair, in file order
 DEFAULT_MODES = [
     "plain", "lookup-k2", "lookup-k4", "lookup-k6", "draft-1layer-k4", "draft-self-k4",
     "mlx-lm-plain", "mlx-lm-draft-1layer-k4", "mlx-lm-draft-self-k4",
 ]  # fmt: skip
-MODE_PATTERN = re.compile(
-    r"^(?P<mlx>mlx-lm-)?(?:(?P<plain>plain)|lookup-k(?P<lk>\d+)"
-    r"|draft-(?:(?P<self>self)|(?P<layers>\d+)layers?)-k(?P<dk>\d+))$"
-)
-WARMUP = (("Who built the bridge?", "harrowfield"), ("Write a haiku about a night train.", None))
 WARMUP_MAX_TOKENS = 8
 RUN_ERRORS = (trace_run.WrongOutput,)  # a run whose answers are missing: one line
 TARGET_GROUNDED_SPEEDUP = 2.0  # the issue, at batch 1: decode tokens/s lookup / plain, at least
 TARGET_UNGROUNDED_RATIO = 0.9  # the same on the ungrounded trace, at least (one k for both)
-
-
-@dataclasses.dataclass(frozen=True)
-class Mode:
-    """A mode name taken apart: who serves (engine or mlx-lm), how it proposes, how many."""
-
-    name: str
-    runner: str  # "engine" or "mlx-lm"
-    kind: str  # "plain", "lookup" or "draft"
-    k: int | None = None  # guesses per pass
-    draft_layers: int | None = None  # None: the target itself (self)
-
-    def describe(self, target_layers: int) -> dict[str, Any]:
-        layers = (self.draft_layers or target_layers) if self.kind == "draft" else None
-        return {"runner": self.runner, "kind": self.kind, "num_draft_tokens": self.k,
-                "draft_layers": layers, "draft_is_target": layers == target_layers}  # fmt: skip
-
-
-def parse_mode(name: str) -> Mode:
-    """A Mode from its name; ValueError if the name means nothing."""
-    m = MODE_PATTERN.match(name)
-    if m is None:
-        raise ValueError(f"unknown mode {name!r}: use plain, lookup-kN, draft-Mlayer-kN, "
-                         "draft-self-kN, or one of plain / draft-... after mlx-lm-")  # fmt: skip
-    runner = "mlx-lm" if m["mlx"] else "engine"
-    if m["plain"]:
-        return Mode(name, runner, "plain")
-    if m["lk"] is not None and runner == "mlx-lm":
-        raise ValueError(f"{name}: mlx-lm's stream_generate has no prompt lookup")
-    k, layers = int(m["lk"] or m["dk"]), None if m["lk"] or m["self"] else int(m["layers"])
-    if k < 1 or layers == 0:
-        raise ValueError(f"{name}: the numbers in a mode must be >= 1")
-    return Mode(name, runner, "lookup" if m["lk"] else "draft", k, layers)
-
-
-# --- the traces -----------------------------------------------------------------------------
-
-
-def trace_requests(name: str) -> tuple[dict[str, str], list[dict[str, Any]]]:
-    """(contexts, requests) of a trace, from the Q&A set by a fixed rule: each distinct answer
-    once, asked its first way. grounded: every pair with the Harrowfield paragraph; ungrounded:
-    every UNGROUNDED_EVERY-th pair without a paragraph, in file order, from the first."""
-    contexts, grounded, ungrounded, seen = {}, [], [], set()
-    for user, answer in parse_qa(QA_FILE.read_text(encoding="utf-8")):
-        context, _, question = user.rpartition("\n\n")
-        if (bool(context), answer) in seen:
-            continue
-        seen.add((bool(context), answer))
-        if context:
-            contexts["harrowfield"] = context
-        request = {"question": question, "context": "harrowfield" if context else None}
-        (grounded if context else ungrounded).append({**request, "answer": answer})
-    return (contexts, grounded) if name == "grounded" else ({}, ungrounded[::UNGROUNDED_EVERY])
-
-
-def chat_prompt(tokenizer, contexts: dict[str, str], request: dict[str, Any]) -> list[int]:
-    """The request's prompt ids: its one user message under the tokenizer's chat template."""
-    question = request["question"]
-    content = f"{contexts[request['context']]}\n\n{question}" if request["context"] else question
-    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": content}]))
-
-
-def make_trace_file(name: str, tokenizer) -> str:
-    """A trace file's text: one line per request, so that a diff stays readable."""
-    contexts, requests = trace_requests(name)
-    for r in requests:
-        r["prompt_ids"] = chat_prompt(tokenizer, contexts, r)
-    rule = "every pair that has the Harrowfield paragraph before its question"
-    if name == "ungrounded":
-        rule = f"every {UNGROUNDED_EVERY}rd pair with no paragraph, in file order, from the first"
-    generator = {"source": "data/tiny-chat/qa.txt", "source_sha256": file_sha256(QA_FILE),
-                 "rule": f"each distinct answer once, asked its first way: {rule}",
-                 "tokenizer": "tiny",
-                 "command": "python benches/speculative.py --write-traces DIR"}  # fmt: skip
-    about = (
-        f"the {name} trace of bench-speculative: chat prompts for the tiny model, one user "
-        "message each (a context paragraph, if any, then the question). prompt_ids: the tiny "
-        "tokenizer's chat template (enable_thinking=False); answer: what qa.txt trains the model "
-        "to say (for reading only; the benchmark compares against plain greedy)."
-    )
-    head = {"schema": TRACE_SCHEMA, "name": name, "about": about, "generator": generator,
-            "max_tokens": TRACE_MAX_TOKENS, "contexts": contexts}  # fmt: skip
-    rows = ",\n".join(f"    {json.dumps(r, ensure_ascii=True)}" for r in requests)
-    return trace_run.trace_text(head, {"requests": f"[\n{rows}\n  ]"})
-
-
-def read_trace(path: Path) -> tuple[dict[str, Any], str]:
-    """A trace file's contents and the SHA-256 of its bytes."""
-    return trace_run.read_trace_file(path, TRACE_SCHEMA, trace_problem)
-
-
-def trace_problem(data: dict[str, Any]) -> str | None:
-    """What a trace file's contents lack, or None."""
-    requests, contexts = data.get("requests"), data.get("contexts")
-    if not isinstance(requests, list) or not requests or not isinstance(contexts, dict):
-        return "needs 'requests' (a non-empty list) and 'contexts'"
-    for i, r in enumerate(requests):
-        ok = isinstance(r, dict) and trace_run.is_token_ids(r.get("prompt_ids"))
-        ok = ok and isinstance(r.get("question"), str) and r.get("context") in (None, *contexts)
-        if not ok:
-            return (
-                f"request {i} needs a 'question', a 'context' (null or one of 'contexts') "
-                "and 'prompt_ids' (token ids)"
-            )
-    return None
 
 
 # --- one mode, in its own process -------------------------------------------------------------
@@ -199,128 +91,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             rows.append({"trace": trace, "batch_size": b, **row})
     return {"mode": mode.name, "device": device, "blas": harness.process_blas(),
             "load_s": load_s, "warmup_s": warmup_s, "rows": rows}  # fmt: skip
-
-
-def draft_checkpoint(ckpt: Checkpoint, layers: int | None) -> Checkpoint:
-    """The target's first `layers` layers (None: all), its embeddings, final norm and tied
-    head, on the very same weight arrays."""
-    n = layers or ckpt.config.num_hidden_layers
-    raw = {**ckpt.config.raw, "num_hidden_layers": n}
-    config = dataclasses.replace(ckpt.config, num_hidden_layers=n, raw=raw)
-    return Checkpoint(ckpt.path, config, ckpt.weights, ckpt.tokenizer)
-
-
-def engine_server(spec: dict[str, Any], mode: Mode, ckpt: Checkpoint, draft: Checkpoint | None):
-    """serve(prompts, batch_size, max_tokens) -> a row, on the solution's Engine with the
-    mode's proposer (a new one for each call)."""
-    api = load_solution(spec["solution"])
-    for name in ("Engine", "PromptLookup", "DraftModel"):
-        if not hasattr(api, name):
-            raise NotImplementedError(f"Week 4 Day 5: {SOLUTIONS[spec['solution']]} has no {name}")
-    target = api.Qwen3Model(ckpt, max_seq_len=spec["max_seq_len"])
-    if draft is not None:  # a model of its own, on the same weight arrays
-        draft = api.Qwen3Model(draft, max_seq_len=spec["max_seq_len"])
-
-    def serve(prompts: list[list[int]], batch_size: int, max_tokens: int) -> dict[str, Any]:
-        proposer = None
-        if mode.kind == "lookup":
-            proposer = api.PromptLookup(num_draft_tokens=mode.k, ngram=spec["ngram"])
-        elif mode.kind == "draft":
-            proposer = api.DraftModel(draft, target, num_draft_tokens=mode.k)
-        kinds = []  # what the engine did in a step (on_step)
-        engine = api.Engine(target, ckpt.tokenizer, max_seq_len=spec["max_seq_len"],
-                            batch_size=batch_size, prefill_step=spec["prefill_step"], pools=None,
-                            policy="hybrid", speculative=proposer,
-                            on_step=lambda step: kinds.append(step.kind))  # fmt: skip
-        return serve_engine(engine, api.SamplingParams(max_tokens=max_tokens), prompts, kinds)
-
-    return serve
-
-
-def serve_engine(engine, params, prompts: list[list[int]], kinds: list[str]) -> dict[str, Any]:
-    """Every prompt at once through the Engine, greedy, each step timed. Decode: the steps that
-    held no prompt chunk (the engine's DraftModel fills its cache with the prompt in a
-    request's first decode pass: for draft-* that counts as decode here)."""
-    index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
-    outputs = [{"token_ids": [], "text": "", "finish_reason": None} for _ in prompts]
-    decode, passes, t0 = {"tokens": 0, "s": 0.0, "passes": 0, "rows": 0}, 0, time.perf_counter()
-    while engine.has_work:
-        kinds.clear()
-        before, t = getattr(engine.scheduler, "passes", passes), time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t
-        ran = getattr(engine.scheduler, "passes", before + 1) - before  # the target's passes
-        passes += ran
-        for out in outs:
-            record = outputs[index[out.request_id]]
-            record["token_ids"] += out.token_ids
-            record["text"] += out.text
-            record["finish_reason"] = out.finish_reason or record["finish_reason"]
-        tokens = sum(len(out.token_ids) for out in outs)
-        if "prefill" not in kinds and tokens:
-            decode["tokens"] += tokens
-            decode["s"] += dt
-            decode["passes"] += ran
-            decode["rows"] += sum(bool(out.token_ids) for out in outs)
-    wall = time.perf_counter() - t0
-    if any(o["finish_reason"] is None for o in outputs):
-        raise trace_run.WrongOutput("a request never finished")
-    stats = engine.stats()
-    counts = {"passes": passes, "proposed": stats.get("tokens_proposed", 0),
-              "accepted": stats.get("tokens_accepted", 0)}  # fmt: skip
-    return row_metrics(outputs, prompts, wall, decode, counts)
-
-
-def serve_mlx_lm(model, draft, k: int | None, ckpt: Checkpoint, prompts, max_tokens: int) -> dict:
-    """Every prompt in turn through mlx-lm's stream_generate (speculative with a draft), greedy,
-    ending at EOS like the engine; the text decoded afterwards by the model's own tokenizer. A
-    pass is a run of tokens marked from_draft ending with one that is not (the target's own
-    token after the kept guesses). Decode: from the first pass's end to the last token (mlx-lm
-    prefills its draft before the first token, outside it)."""
-    from mlx_lm.generate import stream_generate
-
-    eos = ckpt.tokenizer.eos_token_ids
-    wrapper = trace_run.mlx_lm_tokenizer(eos)
-    kwargs = {} if draft is None else {"draft_model": draft, "num_draft_tokens": k}
-    outputs, decode = [], {"tokens": 0, "s": 0.0, "passes": 0, "rows": 0}
-    counts, t0 = {"passes": 0, "proposed": 0, "accepted": 0}, time.perf_counter()
-    for prompt in prompts:
-        ids, times, starts, closed = [], [], [], True  # starts: where each pass's tokens start
-        for response in stream_generate(model, wrapper, prompt, max_tokens=max_tokens, **kwargs):
-            starts += [len(ids)] if closed else []
-            ids.append(response.token)
-            times.append(time.perf_counter())
-            closed = not response.from_draft
-            counts["accepted"] += bool(response.from_draft)
-        if draft is not None:  # each pass asked for min(k, tokens still allowed) guesses
-            counts["proposed"] += sum(min(k, max_tokens - start) for start in starts)
-        counts["passes"] += len(starts)
-        if len(starts) > 1:  # the tokens after the first pass, over their time
-            decode["tokens"] += len(ids) - starts[1]
-            decode["s"] += times[-1] - times[starts[1] - 1]
-            decode["passes"] += len(starts) - 1
-            decode["rows"] += len(starts) - 1
-        text = ckpt.tokenizer.decode([t for t in ids if t not in eos])
-        outputs.append({"token_ids": ids, "text": text, "finish_reason": response.finish_reason})
-    return row_metrics(outputs, prompts, time.perf_counter() - t0, decode, counts)
-
-
-def row_metrics(outputs, prompts, wall: float, decode: dict, counts: dict) -> dict[str, Any]:
-    """One trace at one batch size: its numbers and its answers. acceptance: guesses kept /
-    proposed (guesses past an EOS that ends an answer count as proposed, not kept)."""
-    generated = sum(len(o["token_ids"]) for o in outputs)
-    ratio = lambda a, b: a / b if b else None
-    return {"requests": len(outputs), "prompt_tokens": sum(len(p) for p in prompts),
-            "generated_tokens": generated, "wall_s": wall,
-            "generated_tokens_per_s": generated / wall,
-            "decode_tokens": decode["tokens"], "decode_s": decode["s"],
-            "decode_tokens_per_s": ratio(decode["tokens"], decode["s"]),
-            "decode_passes": decode["passes"], "decode_rows": decode["rows"],
-            "tokens_per_pass": ratio(decode["tokens"], decode["passes"]),
-            "tokens_per_row": ratio(decode["tokens"], decode["rows"]), **counts,
-            "acceptance": ratio(counts["accepted"], counts["proposed"]),
-            "outputs": [{**o, "prompt_tokens": len(p), "generated_tokens": len(o["token_ids"])}
-                        for o, p in zip(outputs, prompts)]}  # fmt: skip
 
 
 # --- the parent: the command line, the runs, the report -----------------------------------------
@@ -431,8 +201,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.write_traces is not None:
         return write_traces(p, args.write_traces, tokenizer)
     prompts, about = load_traces(p, args, tokenizer)
-    contexts = trace_requests("grounded")[0]
-    warmup = [chat_prompt(tokenizer, contexts, {"question": q, "context": c}) for q, c in WARMUP]
+    warmup = warmup_prompts(tokenizer)
     name = f"speculative-{harness.model_slug(model)}-{harness.host_slug()}.json"
     harness.set_output_paths(p, args, harness.RESULTS / name)
     started = time.time()
