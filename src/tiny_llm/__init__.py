@@ -22,6 +22,7 @@ from .flash_attention import (
 from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
+from .logprobs import TokenLogprob, prompt_logprobs, record_logprobs, token_logprobs
 from .mlp import Qwen3MLP
 from .moe import (
     ExpertParallelMoE,
@@ -93,6 +94,7 @@ from .speculative import (
     speculative_step,
 )
 from .stall_free import Segment, forward_ragged, hybrid_step
+from .structured_output import Grammar, GrammarError, constrain, mask_rows
 from .tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelMLP, rank_slice
 
 __all__ = [
@@ -190,4 +192,12 @@ __all__ = [
     "simple_generate_with_kv_cache",
     "softmax",
     "take_weight",
+    "TokenLogprob",
+    "prompt_logprobs",
+    "record_logprobs",
+    "token_logprobs",
+    "Grammar",
+    "GrammarError",
+    "constrain",
+    "mask_rows",
 ]

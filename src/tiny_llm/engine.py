@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from tiny_llm_support import Tokenizer
 
+from .logprobs import TokenLogprob, prompt_logprobs
 from .memory_planning import free_pages, refusal
 from .paged_kv_cache import TinyKvPagedPool
 from .qwen3 import Qwen3Model
@@ -41,7 +42,8 @@ class RequestOutput:
     """What one step produced for one request: the text and tokens new since its last output,
     and, on its last output, why it ended ("stop": EOS or a stop string, "length": max_tokens
     or max_seq_len, "abort"). cached_tokens: the prompt tokens its first admission found in the
-    prefix cache (Week 4 Day 4) instead of prefilling them."""
+    prefix cache (Week 4 Day 4) instead of prefilling them. logprobs (Week 4 Day 8): a
+    TokenLogprob per token of token_ids when the request asked for them, else None."""
 
     request_id: int
     text: str
@@ -50,6 +52,7 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -150,6 +153,13 @@ class Engine:
         self.counts["requests_aborted"] += 1
         self.ended.append(self.end(stream, "", [], "abort"))
 
+    def score(self, prompt: str | list[int], k: int = 0) -> list[TokenLogprob | None]:
+        """Prompt logprobs (Week 4 Day 8): each prompt token's log-probability given the ones
+        before it, with the k most likely tokens at its place; None for the first token. A
+        forward pass of its own, outside the batch, on a cache dropped afterwards."""
+        tokens = self.check_prompt(prompt, self.next_id)
+        return prompt_logprobs(self.model, tokens, k, self.prefill_step)
+
     @property
     def has_work(self) -> bool:
         return self.scheduler.busy or bool(self.ended)
@@ -232,19 +242,24 @@ class Engine:
         stream.tokens_sent += len(tokens)
         stream.chars_sent += cut
         if reason is None:
-            return self.output(request, text[:cut], tokens, None)
+            return self.output(stream, text[:cut], tokens, None)
         self.counts["requests_finished"] += 1
         return self.end(stream, text[:cut], tokens, reason)
 
     def end(self, stream: Stream, text: str, tokens: list[int], reason: str) -> RequestOutput:
         del self.streams[stream.request.prompt_idx]
-        return self.output(stream.request, text, tokens, reason)
+        return self.output(stream, text, tokens, reason)
 
     @staticmethod
-    def output(request: Request, text: str, tokens: list[int], reason: str | None) -> RequestOutput:
+    def output(stream: Stream, text: str, tokens: list[int], reason: str | None) -> RequestOutput:
+        """An output of `tokens`, the stream's last ones (tokens_sent already counts them)."""
+        request, logprobs = stream.request, None
+        if stream.params.logprobs is not None:
+            first = stream.tokens_sent - len(tokens)
+            logprobs = request.logprobs[first : stream.tokens_sent]
         return RequestOutput(
-            request.prompt_idx, text, tokens, reason,
-            len(request.prompt_tokens), len(request.generated), request.cached_tokens,
+            request.prompt_idx, text, tokens, reason, len(request.prompt_tokens),
+            len(request.generated), request.cached_tokens, logprobs,
         )  # fmt: skip
 
     def visible_text(self, request: Request) -> str:

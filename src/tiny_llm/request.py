@@ -18,6 +18,7 @@ from .qwen3 import Qwen3Model
 from .sampler import SamplingParams, pick_tokens
 from .shape_stable import Ladder, query_ladder
 from .speculative import Draft
+from .structured_output import Grammar
 
 
 class Request:
@@ -29,7 +30,8 @@ class Request:
     the same setting as batch_generate's prefill_step. query_padding (Week 3 Day 3) pads each
     chunk to a width of prefill_query_width's ladder (True), of a ladder function given here,
     or not at all (False); None means padding exactly when the model runs compiled.
-    `sampling` (Week 4 Day 3) picks its tokens: greedy unless it says otherwise.
+    `sampling` (Week 4 Day 3) picks its tokens: greedy unless it says otherwise; its grammar
+    (Week 4 Day 8) is compiled here, before any page is taken.
     """
 
     def __init__(
@@ -76,6 +78,10 @@ class Request:
             None if self.params.seed is None else mx.random.key((self.params.seed + 1) % 2**64)
         )
         self.draft = Draft([])  # the tokens a proposer guessed for this pass (Week 4 Day 5)
+        self.grammar = None  # where its text is in its grammar, if it has one (Week 4 Day 8)
+        if self.params.grammar is not None:
+            self.grammar = Grammar(tokenizer, self.params.grammar, model.config.vocab_size)
+        self.logprobs: list = []  # a TokenLogprob per generated token, if asked (Week 4 Day 8)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:
@@ -166,6 +172,8 @@ class Request:
 
     def accept(self, token: int) -> None:
         """Record a generated token and decide whether the request is done."""
+        if self.grammar is not None:  # Week 4 Day 8
+            self.grammar.advance(token)
         raise NotImplementedError(
             "Week 3 Day 1, Task 4: record a token, stop at EOS or at a length limit"
         )

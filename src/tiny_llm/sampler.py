@@ -1,10 +1,13 @@
 """Week 1 Day 6: turning logits into the next token. Week 4 Day 3: a batch whose requests
-each sample with their own settings."""
+each sample with their own settings. Week 4 Day 8: rows under a grammar, and logprobs."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from .logprobs import MAX_TOP_LOGPROBS, record_logprobs
+from .structured_output import constrain
 
 Sampler = Callable[[mx.array], mx.array]
 
@@ -41,6 +44,9 @@ class SamplingParams:
     max_tokens bounds the generated tokens (None: only max_seq_len does); temperature 0 is
     greedy; top_k / top_p / seed as for make_sampler; generation stops at the first of the
     `stop` strings (which is not part of the text), or at EOS unless ignore_eos.
+    logprobs (Week 4 Day 8): None for none, else each token's log-probability with the
+    `logprobs` most likely tokens at its place; grammar: an llguidance grammar the text must
+    follow (None: free text).
     """
 
     max_tokens: int | None = None
@@ -50,6 +56,8 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
+    logprobs: int | None = None
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:
@@ -69,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"seed must be in 0 .. 2**64 - 1, got {self.seed}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop must hold non-empty strings, got {list(self.stop)}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"logprobs must be in 0 .. {MAX_TOP_LOGPROBS}, got {self.logprobs}")
 
     def sampler(self) -> Sampler | None:
         """A sampler of its own for a request (None when greedy): it keeps the request's own
@@ -80,10 +90,17 @@ class SamplingParams:
 
 def pick_tokens(logits: mx.array, requests: list) -> list[int]:
     """logits [B, V], row i for requests[i] -> the next token of each request. A batch of
-    greedy requests is one argmax; any other goes row by row (sample_rows)."""
+    greedy requests is one argmax; any other goes row by row (sample_rows). Rows of requests
+    under a grammar are masked first, and requests that asked for logprobs record their
+    token's (Week 4 Day 8)."""
+    if any(r.grammar is not None for r in requests):
+        logits = constrain(logits, requests)
     if all(r.sampler is None for r in requests):
-        return mx.argmax(logits, axis=-1).tolist()
-    return sample_rows(logits, requests)
+        tokens = mx.argmax(logits, axis=-1).tolist()
+    else:
+        tokens = sample_rows(logits, requests)
+    record_logprobs(logits, requests, tokens)
+    return tokens
 
 
 def sample_rows(logits: mx.array, requests: list) -> list[int]:

@@ -20,9 +20,11 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .logprobs import record_logprobs
 from .qwen3 import Qwen3Model
 from .sampler import SamplingParams, keep_top_p, pick_tokens
 from .stall_free import Segment, forward_ragged, plan_pass
+from .structured_output import mask_rows
 
 
 def sampling_probs(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -178,11 +180,12 @@ def speculative_step(scheduler, budget: int, proposer, policy: str = "hybrid") -
     and each request keeps what the accept rule keeps. Under the hybrid policy (3.4) the prompt
     chunks share that pass; under the alternate policy (3.1) they run in a pass of their own
     first, then the decode rows with their guesses."""
-    decoding, chunks = plan_pass(
-        scheduler,
-        budget,
-        lambda r, most: proposer.propose(r, min(most, proposer.num_draft_tokens, remaining(r))),
-    )
+
+    def propose(request, most: int) -> Draft:
+        draft = proposer.propose(request, min(most, proposer.num_draft_tokens, remaining(request)))
+        return draft if request.grammar is None else grammatical(draft, request.grammar)
+
+    decoding, chunks = plan_pass(scheduler, budget, propose)
     passes = [(decoding, chunks)] if policy == "hybrid" else [([], chunks), (decoding, [])]
     for rows, part in passes:
         if rows or part:
@@ -242,11 +245,25 @@ def keep_checked(decoding: list, logits: mx.array, proposer) -> tuple[int, int]:
 
 
 def verify(request, logits: mx.array) -> list[int]:
-    """logits [1 + k, V] of the request's rows -> the tokens it generates in this pass."""
+    """logits [1 + k, V] of the request's rows -> the tokens it generates in this pass. Under a
+    grammar (Week 4 Day 8) row i is masked as the grammar stands after the first i guesses;
+    a request that asked for logprobs records those of the tokens it keeps."""
     draft = request.draft
+    if request.grammar is not None:
+        logits = mask_rows(logits, list(request.grammar.guess_masks(draft.tokens)))
     if request.params.greedy:
-        return accept_greedy(mx.argmax(logits, axis=-1).tolist(), draft.tokens)
-    return accept_sampled(sampling_probs(logits, request.params), draft, request.next_key)
+        kept = accept_greedy(mx.argmax(logits, axis=-1).tolist(), draft.tokens)
+    else:
+        kept = accept_sampled(sampling_probs(logits, request.params), draft, request.next_key)
+    record_logprobs(logits[: len(kept)], [request] * len(kept), kept)
+    return kept
+
+
+def grammatical(draft: Draft, grammar) -> Draft:
+    """The guesses up to the first one the request's grammar forbids (Week 4 Day 8): the
+    masked model could never keep that one or any after it, so they take no rows."""
+    n = grammar.valid_guesses(draft.tokens)
+    return Draft(draft.tokens[:n], None if draft.probs is None else draft.probs[:n])
 
 
 def finish_chunks(scheduler, chunks: list, logits: mx.array) -> None:
