@@ -22,11 +22,12 @@ HEADROOM_PAGES = 1  # admission leaves this many pages free beyond the prompt's 
 
 def pages_for(request, tokens: int) -> int:
     """New pages (per layer) `request` needs to append `tokens` more tokens: 0 for a dense
-    cache, which has no pool."""
+    cache, which has no pool. A fork's shared last page (Week 4 Day 8) is copied first: one more."""
     cache = request.kv_cache[0]
     if not hasattr(cache, "page_table"):
         return 0
-    return max(0, -(-(cache.offset + tokens) // cache.pool.page_size) - len(cache.page_table))
+    pages = -(-(cache.offset + tokens) // cache.pool.page_size) - len(cache.page_table)
+    return max(0, pages) + (tokens > 0 and cache.shares_last_page)
 
 
 def free_pages(pools) -> float:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from .batching_kv_cache import BatchingKvCache
+from .fork import can_fork, fork_prefix
 from .memory_planning import can_admit, free_pages, make_room, pages_for
 from .paged_kv_cache import TinyKvPagedPool
 from .prefix_cache import reuse_prefix, shares_prefix, tokens_to_admit
@@ -91,9 +92,12 @@ class Scheduler:
         """The next waiting request, or None while it does not fit the pool (it waits; the
         engine refused any request that could never fit before queueing it). With a prefix
         cache (Week 4 Day 4) its page tables start with the cached pages of its prompt; the
-        "admit" event's `tokens` counts the tokens they hold."""
+        "admit" event's `tokens` counts the tokens they hold. A fork (Week 4 Day 8) waits
+        while its parent prefills the prompt, then starts from the parent's pages."""
         if self.pending:
             request = self.pending[0]
+            if self.holds(request.fork_of) and not request.fork_of.is_prefill_done:
+                return None
             alone = self.prefilling is None and not any(self.slots)  # headroom is for others
             if not alone and not can_admit(
                 tokens_to_admit(request), self.reserved(request), self.pools
@@ -106,7 +110,10 @@ class Scheduler:
             first = request.admitted == 0
             self.admissions += 1
             request.admitted = self.admissions
-            cached = reuse_prefix(request) if shares_prefix(request) else 0
+            if can_fork(request, request.fork_of):
+                cached = fork_prefix(request, request.fork_of)
+            else:
+                cached = reuse_prefix(request) if shares_prefix(request) else 0
             if cached >= len(request.prefill_tokens):
                 raise RuntimeError(
                     f"reuse_prefix found all {cached} prompt tokens cached: match at most "
@@ -118,6 +125,11 @@ class Scheduler:
             self.report("admit", request, cached)
             return request
         return None
+
+    def holds(self, request: Request | None) -> bool:
+        """Whether `request` is waiting, being prefilled or in a slot."""
+        queued = [*self.pending, self.prefilling, *self.slots]
+        return request is not None and any(r is request for r in queued)
 
     def reserved(self, request: Request) -> int:
         """Pages an admission must leave free: those owed to prompts being prefilled and, when

@@ -12,13 +12,14 @@ from .attention import (
 from .basics import linear, silu, softmax
 from .batch import batch_generate
 from .batching_kv_cache import BatchingKvCache
-from .engine import Engine, RequestOutput, RequestRefused, stop_cut
+from .engine import MAX_CHOICES, Engine, RequestOutput, RequestRefused, stop_cut
 from .flash_attention import (
     block_partial,
     flash_attention,
     merge_partials,
     paged_attention,
 )
+from .fork import can_fork, fork_prefix
 from .generate import simple_generate, simple_generate_with_kv_cache
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
@@ -200,4 +201,7 @@ __all__ = [
     "GrammarError",
     "constrain",
     "mask_rows",
+    "can_fork",
+    "fork_prefix",
+    "MAX_CHOICES",
 ]

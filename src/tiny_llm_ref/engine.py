@@ -15,7 +15,7 @@ scheduler.
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from tiny_llm_support import Tokenizer
 
@@ -31,6 +31,7 @@ from .speculative import DraftModel, PromptLookup, speculative_step
 from .stall_free import hybrid_step
 
 POLICIES = ("alternate", "hybrid")
+MAX_CHOICES = 16  # answers to one prompt (Week 4 Day 8): each takes a slot of its own
 
 
 class RequestRefused(ValueError):
@@ -146,6 +147,22 @@ class Engine:
         self.scheduler.pending.append(request)
         self.streams[rid] = Stream(request, params)
         return rid
+
+    def add_choices(self, prompt: str | list[int], params: SamplingParams, n: int) -> list[int]:
+        """n answers to one prompt (Week 4 Day 8), as n requests: the first prefills the
+        prompt, the others are forks that start from its pages (fork.py), so the prompt is
+        prefilled once. Answer i samples with seed + i (a seeded call is reproducible, and its
+        answers differ). Without sharing pools each answer prefills the prompt itself."""
+        if not 1 <= n <= MAX_CHOICES:
+            raise ValueError(f"n must be in 1 .. {MAX_CHOICES}, got {n}")
+        params.check()
+        self.check_prompt(prompt, self.next_id)  # every check before the first request is queued
+        seed = lambda i: None if params.seed is None else (params.seed + i) % 2**64
+        ids = [self.add_request(prompt, replace(params, seed=seed(i))) for i in range(n)]
+        first = self.streams[ids[0]].request
+        for rid in ids[1:]:
+            self.streams[rid].request.fork_of = first
+        return ids
 
     def abort(self, request_id: int) -> None:
         """Stop a request wherever it is; its slot and pages are free when this returns. The

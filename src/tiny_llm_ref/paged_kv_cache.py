@@ -1,5 +1,6 @@
 """Week 2 Day 2: a paged KV cache. Week 3 Day 2 adds the materialize() hook, Week 3 Day 3
-rewind(), Week 3 Day 5 attention that reads the pages where they lie.
+rewind(), Week 3 Day 5 attention that reads the pages where they lie, Week 4 Day 8 copy on
+write for page tables forked from one prompt.
 
 A pool owns fixed-size pages of key/value storage for one layer; a request's cache owns only
 a page table (which pages hold its tokens, in order). Releasing a request returns its pages.
@@ -127,6 +128,11 @@ class TinyKvPagedPool:
         self.key_pages = grown(self.key_pages, capacity)
         self.value_pages = grown(self.value_pages, capacity)
 
+    def copy_page(self, source: int, target: int) -> None:
+        """Page `target` gets page `source`'s contents, every storage array of it (Week 4 Day 8)."""
+        self.key_pages[target] = self.key_pages[source]
+        self.value_pages[target] = self.value_pages[source]
+
     def free(self, page: int) -> None:
         # BEGIN TASK Week 2 Day 2, Task 1: return a page to the free list
         if not 0 <= page < self.num_pages:
@@ -189,6 +195,8 @@ class TinyKvPagedCache(TinyKvCache):
 
     def append(self, key: mx.array, value: mx.array) -> None:
         """Write key/value [1, H_kv, L, D] into the request's pages, allocating what it needs."""
+        if self.shares_last_page:  # a fork's page (Week 4 Day 8): copied before it is written
+            self.copy_on_write()
         # BEGIN TASK Week 2 Day 2, Task 3: append through the page table
         self._check(key, value)
         size = self.pool.page_size
@@ -220,6 +228,8 @@ class TinyKvPagedCache(TinyKvCache):
         """Take the pages `length` more tokens need and count those tokens as cached; return
         the slot of each in the pool, page * page_size + position in the page. The caller
         writes their keys/values there (Week 3 Day 5 writes a whole ragged pass in one scatter)."""
+        if self.shares_last_page:  # a fork's page (Week 4 Day 8): copied before it is written
+            self.copy_on_write()
         # BEGIN TASK Week 3 Day 5, Task 5: reserve the slots of a segment's new tokens
         size = self.pool.page_size
         new_offset = self._offset + length
@@ -237,13 +247,34 @@ class TinyKvPagedCache(TinyKvCache):
         return slots
         # END TASK
 
-    def share(self, pages: list[int]) -> None:
-        """Start the empty page table with full pages another table filled (Week 4 Day 4):
-        their tokens count as cached. The caller has taken a reference to each."""
+    def share(self, pages: list[int], length: int | None = None) -> None:
+        """Start the empty page table with pages another table filled: full pages (Week 4 Day
+        4), or `length` tokens whose last page may be partly filled (a fork, Week 4 Day 8).
+        Their tokens count as cached. The caller has taken a reference to each page."""
         if self.page_table:
             raise ValueError("only an empty page table can start with shared pages")
         self.page_table = list(pages)
-        self._offset = len(pages) * self.pool.page_size
+        self._offset = len(pages) * self.pool.page_size if length is None else length
+
+    @property
+    def shares_last_page(self) -> bool:
+        """Whether the next token would land in a partly filled page that another page table
+        holds too (only a fork shares a page that is not full, Week 4 Day 8)."""
+        refs = getattr(self.pool, "refs", None)  # reference counts: a sharing pool (Week 4 Day 4)
+        partial = self._offset % self.pool.page_size != 0
+        return bool(refs) and partial and refs.get(self.page_table[-1], 0) > 1
+
+    def copy_on_write(self) -> None:
+        """The last page is shared: give this table a copy of its own, and let go of the
+        shared one (the other tables keep it)."""
+        # BEGIN TASK Week 4 Day 8, Task 5: copy the shared last page before writing into it
+        if not self.pool.can_allocate(1):
+            raise PagePoolExhausted("copying a shared page needs one free page; the pool has none")
+        page = self.pool.allocate()
+        self.pool.copy_page(self.page_table[-1], page)
+        self.pool.free(self.page_table[-1])
+        self.page_table[-1] = page
+        # END TASK
 
     def update_and_fetch(self, key: mx.array, value: mx.array) -> tuple[mx.array, mx.array, None]:
         """Append, then gather every cached token into dense [1, H_kv, S, D] arrays."""

@@ -82,6 +82,7 @@ class Request:
         if self.params.grammar is not None:
             self.grammar = Grammar(tokenizer, self.params.grammar, model.config.vocab_size)
         self.logprobs: list = []  # a TokenLogprob per generated token, if asked (Week 4 Day 8)
+        self.fork_of: Request | None = None  # the request whose prompt pages it shares (4.8)
         if pools is None:
             self.kv_cache = model.create_kv_cache()
         else:

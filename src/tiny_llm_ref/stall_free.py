@@ -161,7 +161,8 @@ def tokens_that_fit(request, spare: float) -> float:
     if spare == math.inf:
         return math.inf
     cache = request.kv_cache[0]
-    return (len(cache.page_table) + int(spare)) * cache.pool.page_size - cache.offset
+    spare = int(spare) - cache.shares_last_page  # a fork copies its shared page first (4.8)
+    return max(0, (len(cache.page_table) + spare) * cache.pool.page_size - cache.offset)
 
 
 def hybrid_step(scheduler, budget: int, ladder: Ladder | None = None) -> None:
