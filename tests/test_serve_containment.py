@@ -4,7 +4,8 @@ an engine process that dies is noticed, reported on /health and started again.
 
 The failures are real bugs planted in a copy of the reference solution, served as the student
 package (--solution tiny_llm, found first on PYTHONPATH): one in Engine.add_request for a
-request with seed 7, one in a step whenever a request samples at temperature 1.5.
+request with seed 7, one in a step whenever a request samples at temperature 1.5, and one in
+Engine.score (echo's prompt logprobs) when asked for 7 top tokens.
 """
 
 import json
@@ -34,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PLANTED = """
 
 # --- bugs planted by tests/test_serve_containment.py ---
-_add_request, _iterate = Engine.add_request, Engine.iterate
+_add_request, _iterate, _score = Engine.add_request, Engine.iterate, Engine.score
 
 
 def _add_request_with_a_bug(self, prompt, params=None):
@@ -49,7 +50,14 @@ def _iterate_with_a_bug(self):
     return _iterate(self)
 
 
+def _score_with_a_bug(self, prompt, k=0):
+    if k == 7:
+        raise RuntimeError("a bug planted in score")
+    return _score(self, prompt, k)
+
+
 Engine.add_request, Engine.iterate = _add_request_with_a_bug, _iterate_with_a_bug
+Engine.score = _score_with_a_bug
 """
 
 
@@ -112,6 +120,23 @@ def test_a_request_that_breaks_add_request_fails_alone(faulty):
     )
     assert health(faulty)[1]["engine_failures"] == 0  # refused alone: no step failed
     assert_serving(faulty, "after a failed add")
+
+
+def test_a_prompt_that_breaks_score_fails_alone(faulty):
+    """echo with logprobs scores the prompt in the engine process between two steps: a failure
+    there ends that request (and its generation, already added) only."""
+    sock = raw_post(faulty.port, TEXT, {**LONG, "max_tokens": 60, "stream": True, "temperature": 0})
+    for max_tokens in (0, 4):
+        status, body = complete(faulty, echo=True, logprobs=7, max_tokens=max_tokens)
+        assert status == 500 and "a bug planted in score" in body["error"]["message"], body
+    events = stream_events(sock)
+    assert "error" not in events[-1] and events[-1]["choices"][0]["finish_reason"] == "length", (
+        "a prompt that failed to be scored must not disturb the requests in flight"
+    )
+    assert health(faulty)[1]["engine_failures"] == 0  # refused alone: no step failed
+    status, body = complete(faulty, echo=True, logprobs=2, max_tokens=0)
+    assert status == 200 and body["choices"][0]["logprobs"]["token_logprobs"][0] is None, body
+    assert_serving(faulty, "after a failed score")
 
 
 def test_a_step_that_raises_fails_its_requests_and_serving_goes_on(faulty):

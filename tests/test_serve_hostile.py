@@ -3,8 +3,8 @@ kind rather than by instance.
 
 For each field of /v1/chat/completions and /v1/completions (model, messages and their role,
 content, text parts and name, prompt in each of its forms, the limits, the sampling settings,
-stop, stream, stream_options, ignore_eos, user, and the OpenAI fields accepted only at their off
-values, server_api.NEUTRAL), the kinds of value a client can send: integers from -2**63-1 to
+stop, stream, stream_options, ignore_eos, user, logprobs, top_logprobs, echo, response_format, and
+the OpenAI fields accepted only at their off values, server_api.NEUTRAL), the kinds of value a client can send: integers from -2**63-1 to
 10**30, floats from 5e-324 to 1e999 with NaN and the infinities (raw JSON tokens, which Python's
 json reads though they are not JSON), empty, huge (500 KB), lone-surrogate, NUL, emoji and
 10,000-newline strings, the wrong types, JSON nested 100,000 deep, an empty or non-UTF-8 body, and
@@ -320,29 +320,31 @@ def common_fields(path) -> list[Case]:
         cases.append(case(path, "ignore_eos", label, raw, expect, "ignore_eos"))
     cases += string_field(path, "user", user_expect, "user")
     cases.append(case(path, "user", "deep", DEEP, "error"))
-    # the neutral fields: their off values pass, any other is refused by name
-    for field in ("n", "best_of", "top_logprobs", "logprobs"):
-        off = {"0"} if field in ("top_logprobs", "logprobs") else {"1"}
+    # the neutral fields: their off values pass, any other is refused by name (top_logprobs
+    # alone too: chat's needs logprobs: true, and completions have logprobs: k instead)
+    for field in ("n", "best_of", "top_logprobs"):
+        off = {"0"} if field == "top_logprobs" else {"1"}
         cases += int_field(path, field, off, set(), "error", neutral=True)
     cases += float_field(path, "presence_penalty", penalty, neutral=True)
     cases += float_field(path, "frequency_penalty", penalty, neutral=True)
-    for field, off, other in [
-        ("echo", b"false", b"true"),
-        ("logit_bias", b"{}", b'{"1": 5}'),
-        ("tools", b"[]", b'[{"type": "function"}]'),
-        ("tool_choice", b'"none"', b'"auto"'),
-        ("functions", b"[]", b'[{"name": "f"}]'),
-        ("function_call", b'"none"', b'"auto"'),
-        ("parallel_tool_calls", b"false", b'"yes"'),
-        ("response_format", b'{"type": "text"}', b'{"type": "json_object"}'),
-        ("modalities", b'["text"]', b'["audio"]'),
-        ("store", b"false", b"true"),
-        ("suffix", b'""', b'"x"'),
+    for field, off, other, other_expect in [
+        ("echo", b"false", b"true", "ok" if path == TEXT else "error"),  # a completion's field
+        ("logit_bias", b"{}", b'{"1": 5}', "error"),
+        ("tools", b"[]", b'[{"type": "function"}]', "error"),
+        ("tool_choice", b'"none"', b'"auto"', "error"),
+        ("functions", b"[]", b'[{"name": "f"}]', "error"),
+        ("function_call", b'"none"', b'"auto"', "error"),
+        ("parallel_tool_calls", b"false", b'"yes"', "error"),
+        ("response_format", b'{"type": "text"}', b'{"type": "json_object"}', "ok"),
+        ("modalities", b'["text"]', b'["audio"]', "error"),
+        ("store", b"false", b"true", "error"),
+        ("suffix", b'""', b'"x"', "error"),
     ]:
         cases.append(case(path, field, "off", off, "ok", field))
         cases.append(case(path, field, "null", b"null", "ok", field))
-        cases.append(case(path, field, "other", other, "error", field))
+        cases.append(case(path, field, "other", other, other_expect, field))
         cases.append(case(path, field, "deep", DEEP, "error"))
+    cases += logprob_fields(path) + response_formats(path)
     # unknown fields
     for label, name in [("unknown", "frobnicate"), ("unknown-nul", "\\u0000"),
                         ("unknown-surrogate", "\\ud800"), ("unknown-huge", "k" * 500_000)]:  # fmt: skip
@@ -366,6 +368,63 @@ def common_fields(path) -> list[Case]:
         cases.append(raw_case(path, label, body, "error"))
     cases.append(raw_case(path, "body-utf8-bom", b"\xef\xbb\xbf" + base, "either"))
     cases.append(raw_case(path, "body-utf16", json.dumps(BASE[path]).encode("utf-16"), "either"))
+    return cases
+
+
+def logprob_fields(path) -> list[Case]:
+    """Chat's logprobs (a boolean) with top_logprobs 0..20; completions' logprobs 0..20 (false:
+    none). Every value asks for at most 20 entries a token."""
+    cases = []
+    if path == CHAT:
+        for label, raw, expect in [("true", b"true", "ok"), ("false", b"false", "ok"),
+                                   ("null", b"null", "ok"), ("int-0", b"0", "error"),
+                                   ("int-1", b"1", "error"), ("string", b'"true"', "error"),
+                                   ("object", b"{}", "error")]:  # fmt: skip
+            cases.append(case(path, "logprobs", label, raw, expect, "logprobs"))
+        asked = {**BASE[CHAT], "logprobs": True}
+        for c in int_field(path, "top_logprobs", {"0", "1"}, set(), "error", asked, neutral=True):
+            c.id = c.id.replace("-top_logprobs-", "-top_logprobs-with-logprobs-")
+            cases.append(c)
+        name = "top_logprobs"
+    else:
+        cases += int_field(path, "logprobs", {"0", "1"}, set(), "error", neutral=True)
+        cases.append(case(path, "logprobs", "false", b"false", "ok", "logprobs"))
+        asked, name = BASE[TEXT], "logprobs"
+    for label, raw, expect in [("20", b"20", "ok"), ("21", b"21", "error")]:
+        cases.append(case(path, name, f"asked-{label}", raw, expect, name, asked))
+    return cases
+
+
+def response_formats(path) -> list[Case]:
+    """response_format's JSON schemas, good and bad: a schema llguidance cannot follow is a
+    400 naming response_format, never a 5xx."""
+    schema = lambda s: {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
+    deep = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    huge_enum = {"enum": [f"value number {i}" for i in range(20_000)]}
+    cases = []
+    for label, value, expect, param in [
+        ("schema", schema({"type": "object"}), "ok", "response_format"),
+        ("huge-enum", schema(huge_enum), "ok", "response_format"),
+        ("schema-absent", {"type": "json_schema", "json_schema": {"name": "x"}}, "ok", ANY),
+        ("bad-type", schema({"type": "bogus"}), "error", "response_format"),
+        ("unsupported", schema({"type": "array", "uniqueItems": True}), "error",
+         "response_format"),
+        ("unsatisfiable", schema({"type": "integer", "minimum": 2, "maximum": 1}), "error",
+         "response_format"),
+        ("bad-regex", schema({"type": "string", "pattern": "(("}), "error", "response_format"),
+        ("bad-ref", schema({"$ref": "#/nowhere"}), "error", "response_format"),
+        ("nested-200", schema(deep), "either", "response_format"),
+        ("schema-list", schema([1]), "error", "response_format.json_schema.schema"),
+        ("no-json_schema", {"type": "json_schema"}, "error", "response_format"),
+        ("unknown-type", {"type": "yaml"}, "error", "response_format.type"),
+        ("bad-name", {"type": "json_schema", "json_schema": {"name": "a b"}}, "error",
+         "response_format.json_schema.name"),
+        ("extra-key", {"type": "json_object", "x": 1}, "error", "response_format.x"),
+    ]:  # fmt: skip
+        raw = json.dumps(value).encode()
+        cases.append(case(path, "response_format", label, raw, expect, param))
     return cases
 
 

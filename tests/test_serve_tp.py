@@ -4,6 +4,7 @@ rank's; a sampled request finishes; a rank that dies takes the server down with 
 it, never a hang. Like the 4.2 tests, these skip where two ranks cannot start, and fail
 instead under TINY_LLM_REQUIRE_RANKS=1 (CI)."""
 
+import json
 import os
 import re
 import signal
@@ -60,6 +61,31 @@ def test_two_ranks_answer_as_one(one_rank, two_ranks):
         max_tokens=12, temperature=0.8,
     )  # fmt: skip
     assert sampled.usage.completion_tokens > 0, "a sampled request (a seed chosen on rank 0)"
+
+
+def test_two_ranks_score_prompts_and_follow_grammars_as_one(one_rank, two_ranks):
+    """echo's prompt logprobs are a forward pass that every rank takes, in the same order
+    (server_ranks.apply); a grammar travels with its request's settings. Afterwards the ranks
+    still answer as one."""
+    schema = {"type": "object", "properties": {"color": {"enum": ["red", "blue"]}},
+              "required": ["color"], "additionalProperties": False}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"name": "color", "schema": schema}}
+
+    def ask(server: Server) -> tuple:
+        client = server.client()
+        scored = client.completions.create(
+            model="tiny", prompt="Once upon a time", max_tokens=0, echo=True, logprobs=2
+        )
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "A color?"}], max_tokens=20,
+            temperature=0, response_format=fmt,
+        )  # fmt: skip
+        return scored.choices[0].logprobs.token_logprobs, answer.choices[0].message.content
+
+    (scores, text), (scores_1, text_1) = ask(two_ranks), ask(one_rank)
+    assert text == text_1 and json.loads(text)["color"] in ("red", "blue"), (text, text_1)
+    assert scores[0] is None and all(abs(a - b) < 1e-4 for a, b in zip(scores[1:], scores_1[1:]))
+    assert answers(two_ranks) == answers(one_rank), "the ranks fell out of step after a score"
 
 
 def rank_processes(rank: int) -> list[int]:

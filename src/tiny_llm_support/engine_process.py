@@ -8,20 +8,24 @@ pass never delays the HTTP side's streaming, and nothing the engine raises can s
 
     HTTP -> engine   ("add", key, prompt ids, SamplingParams)   a request (`key`: the HTTP side's)
                      ("abort", key)                              its client left
+                     ("score", key, prompt ids, k)               prompt logprobs (echo), answered
+                                                                 between two steps
                      ("close",)                                  stop now
     engine -> HTTP   ("ready", info) | ("failed", kind, text)    once, after building the engine
                      ("accepted", key) | ("refused", key, status, message)
-                     ("turn", outputs, stats)                    what a step produced
+                     ("scored", key, entries)                    a score's logprob entries
+                     ("turn", outputs, stats)                    what a step produced (each
+                                                                 output's logprobs as entries)
                      ("state", snapshot, stats)                  the live page's view and the
                                                                  counters, at most 20 a second
                      ("failure", keys, message, stats)           a step failed: these requests end
 
-Containment: a request that cannot be added is refused alone (400 when the engine says the input
-is at fault with a ValueError, else 500); a step that raises ends the requests in flight with a
-500, after the engine has given every page and slot back, and the loop goes on. If pages are
-still held after that, the engine's state cannot be trusted: the process exits with
-RESTART_STATUS and the HTTP process starts a fresh one. When the HTTP process goes (even killed),
-the pipe closes and this process ends at its next turn.
+Containment: a request that cannot be added, or a prompt that cannot be scored, is refused alone
+(400 when the engine says the input is at fault with a ValueError, else 500); a step that raises
+ends the requests in flight with a 500, after the engine has given every page and slot back, and
+the loop goes on. If pages are still held after that, the engine's state cannot be trusted: the
+process exits with RESTART_STATUS and the HTTP process starts a fresh one. When the HTTP process
+goes (even killed), the pipe closes and this process ends at its next turn.
 """
 
 from __future__ import annotations
@@ -170,6 +174,7 @@ class EngineLoop:
         self.report_turn([], now=True)  # /metrics and the page have the idle engine at once
         while True:
             asked, ops = False, []  # ops: what reached the engine this turn, for other ranks
+            scores = []  # run after the relay: a forward pass that every rank takes
             for command in self.commands():
                 if command[0] == "close":
                     return self.close()
@@ -177,10 +182,15 @@ class EngineLoop:
                     ops += self.add(*command[1:])
                 elif command[0] == "abort":
                     ops += self.abort(command[1])
+                elif command[0] == "score":
+                    scores.append(command[1:])
+                    ops.append(["score", list(command[2]), command[3]])
                 else:  # "watch": a new /events client wants the state now
                     asked = True
             if self.relay is not None and (ops or self.engine.has_work):
                 self.relay(ops)
+            for key, prompt, k in scores:
+                self.score(key, prompt, k)
             outputs = self.step() if self.engine.has_work else []
             if outputs is None:
                 return RESTART_STATUS
@@ -230,6 +240,20 @@ class EngineLoop:
         self.send("accepted", key)
         return op
 
+    def score(self, key: int, prompt: list[int], k: int) -> None:
+        """Score a prompt (Engine.score: a forward pass on a cache of its own, no page or slot
+        taken); a failure refuses this one alone."""
+        try:
+            scored = self.engine.score(prompt, k)
+        except ValueError as e:
+            self.send("refused", key, 400, str(e))
+            return
+        except Exception as e:
+            report(e, "scoring a prompt")
+            self.send("refused", key, 500, f"the engine could not score the prompt: {brief(e)}")
+            return
+        self.send("scored", key, [None if lp is None else entry(lp) for lp in scored])
+
     def abort(self, key: int) -> list:
         rid = next((rid for rid, k in self.live.items() if k == key), None)
         if rid is None:  # finished already, or never added
@@ -254,9 +278,11 @@ class EngineLoop:
                 continue
             if o.finish_reason is not None:
                 del self.live[o.request_id]
+            logprobs = getattr(o, "logprobs", None)
             sent.append(
                 (key, o.text, o.token_ids, o.finish_reason, o.prompt_tokens,
-                 o.completion_tokens, getattr(o, "cached_tokens", 0), sampled_at)
+                 o.completion_tokens, getattr(o, "cached_tokens", 0), sampled_at,
+                 None if logprobs is None else [entry(lp) for lp in logprobs])
             )  # fmt: skip
         return sent
 
@@ -283,6 +309,11 @@ class EngineLoop:
             self.relay([["close"]])
         self.engine.release()
         return 0
+
+
+def entry(logprob: Any) -> tuple:
+    """A TokenLogprob as plain values for the pipe (server_formats.Entry)."""
+    return (logprob.token, logprob.logprob, tuple(logprob.top))
 
 
 def brief(error: BaseException) -> str:

@@ -17,6 +17,11 @@ hands it to the engine process; it never calls the model. The engine's outputs c
 request's Channel and go out as one JSON response or as server-sent events. A client that hangs
 up gets its request aborted, so its slot and pages serve someone else.
 
+For agents and evaluators (Week 4 Day 8): logprobs; completions' echo, the prompt's logprobs
+scored by the engine process between two steps (max_tokens 0: nothing generated); and
+response_format, a JSON schema compiled here (once per schema) into the engine's grammar, so that
+a bad one is a 400 before the engine sees anything (server_formats). Not yet: n > 1, tools.
+
 With --api-key, /v1/* and /events need "Authorization: Bearer <key>"; the page and its two files
 need none (they hold no data), and the page, told by its <meta name="api-key"> that a key is
 needed, asks for it and sends it in that header (never in a URL, which access logs keep).
@@ -39,10 +44,11 @@ from starlette.exceptions import HTTPException
 from .server_api import ApiError, ChatRequest, CompletionRequest, parse_request, sampling_settings
 from .server_channels import Channel
 from .server_engine import EngineClient
+from .server_formats import Grammars, SchemaError, TokenTexts, logprob_writer
 from .server_metrics import prometheus_text
 from .server_page import LivePage
 from .server_replies import EVENT_STREAM, Reply
-from .server_stream import indexed, server_error, sse_events, usage_of
+from .server_stream import Choices, collect, server_error, sse_events
 from .tokenizer import ChatTemplateError, check_chat_text
 
 MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
@@ -74,6 +80,8 @@ class OpenAIServer(LivePage):
         self.service, self.tokenizer, self.make_params = service, tokenizer, make_params
         self.settings = settings
         self.started = int(time.time())
+        self.texts = TokenTexts(tokenizer)  # logprobs' token texts and bytes
+        self.grammars = Grammars(self.texts)  # response_format's schemas, compiled
 
     def app(self) -> FastAPI:
         """The FastAPI app. No /docs page: FastAPI's loads its scripts from a CDN."""
@@ -204,9 +212,14 @@ class OpenAIServer(LivePage):
         except Exception as e:  # e.g. a lone surrogate that slipped past the body's checks
             raise ApiError(400, f"'{field}' cannot be tokenized: {e}", param=field) from e
 
-    def _sampling_params(self, body: Any) -> Any:
+    async def _sampling_params(self, body: Any) -> Any:
+        """The request's SamplingParams, its response_format's grammar compiled."""
         try:
-            params = self.make_params(**sampling_settings(body))
+            grammar = await self.grammars.grammar(body.response_format)
+        except SchemaError as e:
+            raise ApiError(400, f"invalid 'response_format': {e}", "response_format") from e
+        try:
+            params = self.make_params(**sampling_settings(body, grammar))
             params.check()
         except ValueError as e:
             raise ApiError(400, str(e)) from e
@@ -226,28 +239,41 @@ class OpenAIServer(LivePage):
         self, request: Request, kind: str, body: Any, prompts: list[list[int]]
     ) -> Response:
         """Check, submit every prompt (one engine request each: a completion may hold several
-        prompts, answered as choices 0, 1, ...), wait until the engine has taken them all, then
-        answer."""
+        prompts, answered as choices 0, 1, ...; none with max_tokens 0), and with echo and
+        logprobs a score of each, wait until the engine has taken them all, then answer."""
         field = "messages" if kind == "chat" else "prompt"
         for i, ids in enumerate(prompts):
             self._check_prompt(ids, field if len(prompts) == 1 else f"{field}[{i}]")
-        params = self._sampling_params(body)
-        channels = [Channel(ids, params) for ids in prompts]
+        params = await self._sampling_params(body)
+        k = params.logprobs
+        if k is not None:
+            await self.texts.ready()
+        channels = [Channel(ids, params) for ids in prompts] if body.limit != 0 else []
+        scoring = body.echoes and k is not None
+        scores = [Channel(ids, None, score=k) for ids in prompts] if scoring else []
         try:
-            for channel in channels:
+            for channel in scores + channels:
                 self.service.submit(channel)  # a 429 or 503 is raised here
             for channel in channels:
                 await channel.next()  # Accepted, or the ApiError of a refusal is raised
+            scored = [(await channel.next()).entries for channel in scores]
         except BaseException:  # a refusal, or the client left: the others are aborted
             self._cancel(channels)
             raise
+        choices = Choices(prompts, None if k is None else logprob_writer(kind, self.texts))
+        if body.echoes:
+            for i, ids in enumerate(prompts):
+                entries = [(ids[0], None, None), *scored[i][1:]] if scores else []
+                prompt = body.prompt[i]
+                choices.echo(i, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
+                             entries)  # fmt: skip
         hangup = asyncio.create_task(self._cancel_on_hangup(request, channels))
         options = body.stream_options
         reply = Reply(kind, self.settings.model_id, bool(options and options.include_usage))
         if body.stream:
-            events = self._stream(channels, reply, hangup)
+            events = self._stream(channels, reply, choices, hangup)
             return StreamingResponse(events, media_type="text/event-stream", headers=EVENT_STREAM)
-        return await self._respond(channels, reply, hangup)
+        return await self._respond(channels, reply, choices, hangup)
 
     def _cancel(self, channels: list[Channel]) -> None:
         """Abort every request of a response (those already finished are left alone)."""
@@ -261,24 +287,23 @@ class OpenAIServer(LivePage):
             pass
         self._cancel(channels)
 
-    async def _respond(self, channels: list[Channel], reply: Reply, hangup: asyncio.Task):
+    async def _respond(
+        self, channels: list[Channel], reply: Reply, choices: Choices, hangup: asyncio.Task
+    ) -> Response:
         """The whole answer as one JSON object."""
-        pieces: list[list[str]] = [[] for _ in channels]
-        last: list[Any] = [None] * len(channels)
         try:
-            async for i, output in indexed(channels):
-                pieces[i].append(output.text)
-                last[i] = output
+            await collect(channels, choices)
         finally:
             hangup.cancel()
             self._cancel(channels)  # after an error in one, the others
-        choices = [("".join(p), o.finish_reason) for p, o in zip(pieces, last)]
-        return JSONResponse(reply.response(choices, usage_of(last)))
+        return JSONResponse(reply.response(choices.whole(), choices.usage()))
 
-    async def _stream(self, channels: list[Channel], reply: Reply, hangup: asyncio.Task):
+    async def _stream(
+        self, channels: list[Channel], reply: Reply, choices: Choices, hangup: asyncio.Task
+    ):
         """The answer as server-sent events; a stream left early aborts its requests."""
         try:
-            async for event in sse_events(channels, reply):
+            async for event in sse_events(channels, reply, choices):
                 yield event
         finally:
             hangup.cancel()

@@ -21,9 +21,18 @@ class Accepted:
 
 
 @dataclass
+class Scored:
+    """A prompt's logprob entries (server_formats.Entry; the first token's logprob None), the
+    answer to a score Channel."""
+
+    entries: list
+
+
+@dataclass
 class Output:
     """What one engine step produced for one request (the engine's RequestOutput, as the pipe
-    carries it). sampled_at: time.monotonic() in the engine process when that step ended."""
+    carries it). sampled_at: time.monotonic() in the engine process when that step ended;
+    logprobs: an entry (server_formats.Entry) per token of token_ids, if the request asked."""
 
     key: int
     text: str
@@ -33,15 +42,17 @@ class Output:
     completion_tokens: int
     cached_tokens: int
     sampled_at: float
+    logprobs: list | None = None
 
 
 class Channel:
     """One request on its way through the engine: what to run, and a queue, read by its
     handler, that receives Accepted, then Outputs, or at most one ApiError (a refusal or a
-    failure). Lives on the event loop."""
+    failure). Lives on the event loop. With `score` = k, the request is a prompt to score (its
+    logprobs with the k most likely tokens, Engine.score) instead: Scored, or an ApiError."""
 
-    def __init__(self, prompt: list[int], params: Any) -> None:
-        self.prompt, self.params = prompt, params
+    def __init__(self, prompt: list[int], params: Any, score: int | None = None) -> None:
+        self.prompt, self.params, self.score = prompt, params, score
         self.key: int | None = None
         self._events: asyncio.Queue = asyncio.Queue()
 

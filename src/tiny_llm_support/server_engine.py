@@ -37,7 +37,7 @@ from typing import Any
 from . import engine_process
 from .engine_pipe import EngineProcess
 from .server_api import ApiError
-from .server_channels import Accepted, Channel, Output, Subscriber
+from .server_channels import Accepted, Channel, Output, Scored, Subscriber
 
 RETRY_AFTER_SECONDS = 1
 MAX_RESTARTS, RESTART_WINDOW_S = 3, 600
@@ -137,10 +137,16 @@ class EngineClient:
 
     def submit(self, channel: Channel) -> None:
         """Send a request to the engine; its channel receives Accepted or an ApiError. A 503
-        while the engine is not running, a 429 past max_waiting, raised here at once."""
+        while the engine is not running, a 429 past max_waiting, raised here at once. A score
+        channel's prompt is scored between two steps (it takes no slot: no max_waiting); it
+        receives Scored or an ApiError."""
         if self.state != "ok":
             raise _unavailable(self.state)
         channel.key = next(self._keys)
+        if channel.score is not None:
+            self._channels[channel.key] = channel
+            self._engine.outbox.put(("score", channel.key, channel.prompt, channel.score))
+            return
         if self._would_wait_too_long():
             self.refused_busy += 1
             raise _busy(self._max_waiting)
@@ -148,8 +154,9 @@ class EngineClient:
         self._engine.outbox.put(("add", channel.key, channel.prompt, channel.params))
 
     def cancel(self, channel: Channel) -> None:
-        """Abort a request (its client is gone); nothing happens once it has finished."""
-        if channel.key in self._channels:
+        """Abort a request (its client is gone); nothing happens once it has finished. (A
+        score is not aborted: one forward pass, its answer dropped.)"""
+        if channel.key in self._channels and channel.score is None:
             self._engine.outbox.put(("abort", channel.key))
 
     def subscribe(self) -> Subscriber:
@@ -172,7 +179,8 @@ class EngineClient:
         """Whether one more request would leave more than max_waiting without a slot."""
         if self._max_waiting is None:
             return False
-        return len(self._channels) + 1 - self._batch_size > self._max_waiting
+        requests = sum(c.score is None for c in self._channels.values())
+        return requests + 1 - self._batch_size > self._max_waiting
 
     # --- what the engine sends (on the event loop) -------------------------------------------
 
@@ -197,6 +205,8 @@ class EngineClient:
         elif kind == "refused":
             _, key, status, text = message
             self._to(key, ApiError(status, text, kind=_error_kind(status)), last=True)
+        elif kind == "scored":
+            self._to(message[1], Scored(message[2]), last=True)
         elif kind == "turn":
             self.stats = message[2]
             for fields in message[1]:

@@ -49,9 +49,16 @@ def with_seed(params: Any) -> Any:
 def apply(engine: Any, op: list, params_class: type) -> None:
     """One operation of rank 0's turn, on a following rank's engine. An add that rank 0's
     engine refused is refused here the same way (the request id it took is taken here too),
-    whatever it raised."""
+    whatever it raised. A score (echo's prompt logprobs) is a forward pass: every rank takes it,
+    in the same order (rank 0 after its relay), and only rank 0 sends what it found."""
     if op[0] == "abort":
         engine.abort(op[1])
+        return
+    if op[0] == "score":
+        try:
+            engine.score(op[1], op[2])
+        except Exception:
+            pass
         return
     settings = op[2] | {"stop": tuple(op[2]["stop"])}
     try:

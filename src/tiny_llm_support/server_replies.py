@@ -1,6 +1,6 @@
 """The JSON of serve.py's answers in OpenAI's wire format: a whole response or the chunks of a
 stream (Reply), the usage object, and server-sent events. The request bodies and the errors are
-server_api's.
+server_api's; a choice's `logprobs` object, which Reply places, is server_formats'.
 """
 
 from __future__ import annotations
@@ -32,31 +32,41 @@ class Reply:
         prefix = "chatcmpl" if self.kind == "chat" else "cmpl"
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
 
-    def response(self, choices: list[tuple[str, str]], usage: dict[str, Any]) -> dict[str, Any]:
-        """The whole answer of a request that did not stream: (text, finish_reason) of each
-        choice."""
+    def response(
+        self, choices: list[tuple[str, str, dict | None]], usage: dict[str, Any]
+    ) -> dict[str, Any]:
+        """The whole answer of a request that did not stream: (text, finish_reason, logprobs)
+        of each choice."""
         out = []
-        for index, (text, finish_reason) in enumerate(choices):
+        for index, (text, finish_reason, logprobs) in enumerate(choices):
             if self.kind == "chat":
                 choice = {"message": {"role": "assistant", "content": text}}
             else:
                 choice = {"text": text}
-            out.append({**choice, "index": index, "finish_reason": finish_reason, "logprobs": None})
+            out.append(
+                {**choice, "index": index, "finish_reason": finish_reason, "logprobs": logprobs}
+            )
         return self._envelope("", out, usage=usage)
 
     def chunk(
-        self, text: str = "", finish_reason: str | None = None, first: bool = False, index: int = 0
+        self,
+        text: str = "",
+        finish_reason: str | None = None,
+        first: bool = False,
+        index: int = 0,
+        logprobs: dict | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk of choice `index`: new text, or the finish reason (a chat chunk
-        carries the role once, in the first chunk, and an empty delta with the finish reason)."""
+        """One stream chunk of choice `index`: new text (and the logprobs of its tokens), or
+        the finish reason (a chat chunk carries the role once, in the first chunk, and an empty
+        delta with the finish reason)."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else {}
-            if text:
+            if text or logprobs is not None:
                 delta["content"] = text
             choice = {"delta": delta}
         else:
             choice = {"text": text}
-        choice.update(index=index, finish_reason=finish_reason, logprobs=None)
+        choice.update(index=index, finish_reason=finish_reason, logprobs=logprobs)
         extra = {"usage": None} if self.include_usage else {}
         return self._envelope(".chunk", [choice], **extra)
 

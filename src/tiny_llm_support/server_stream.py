@@ -1,5 +1,7 @@
 """From the engine's outputs to OpenAI's answers (serve.py): the outputs of the requests of one
-response, merged in the order they come, as one JSON object or as server-sent events."""
+response, merged in the order they come, as one JSON object or as server-sent events. Choices
+keeps what each choice has said: an echoed prompt first (completions' echo), then its outputs,
+with their logprob entries when asked for."""
 
 from __future__ import annotations
 
@@ -7,12 +9,69 @@ import asyncio
 import os
 import sys
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from .server_api import ApiError
 from .server_channels import Channel
 from .server_replies import Reply, sse, usage
+
+
+class Choices:
+    """The choices of one response, one per prompt, as their outputs come. `write`: entries and
+    a text offset -> (the logprobs object of those tokens, the offset after them), chat's or
+    completions' (server_formats); None when the request did not ask for logprobs."""
+
+    def __init__(self, prompts: list[list[int]], write: Callable | None) -> None:
+        self.prompts, self.write = prompts, write
+        self.echoed: list[tuple[str, list] | None] = [None] * len(prompts)
+        self.texts: list[list[str]] = [[] for _ in prompts]
+        self.entries: list[list] = [[] for _ in prompts]
+        self.offsets = [0] * len(prompts)  # completions' text_offset of each choice's next token
+        self.last: list[Any] = [None] * len(prompts)
+
+    def echo(self, i: int, text: str, entries: list) -> None:
+        """Choice i starts with its prompt: its text, and its tokens' entries."""
+        self.echoed[i] = (text, entries)
+        self.texts[i].append(text)
+        self.entries[i] += entries
+
+    def add(self, i: int, output: Any) -> list:
+        """Record an output of choice i; returns its tokens' entries."""
+        self.last[i] = output
+        self.texts[i].append(output.text)
+        entries = (output.logprobs or []) if self.write is not None else []
+        self.entries[i] += entries
+        return entries
+
+    def piece(self, i: int, entries: list) -> dict | None:
+        """The logprobs object of a chunk of choice i (its text offsets following on)."""
+        if self.write is None:
+            return None
+        logprobs, self.offsets[i] = self.write(entries, self.offsets[i])
+        return logprobs
+
+    def finish_reason(self, i: int) -> str:
+        """The last output's, or "length" for a choice that generated nothing (max_tokens 0)."""
+        return "length" if self.last[i] is None else self.last[i].finish_reason
+
+    def whole(self) -> list[tuple[str, str, dict | None]]:
+        """(text, finish_reason, logprobs) of each choice, at the end."""
+        logprobs = lambda i: None if self.write is None else self.write(self.entries[i], 0)[0]
+        return [
+            ("".join(self.texts[i]), self.finish_reason(i), logprobs(i))
+            for i in range(len(self.prompts))
+        ]
+
+    def usage(self) -> dict[str, Any]:
+        """The counts of each choice's last output, added up (a choice that generated
+        nothing: its prompt alone)."""
+        last = [o for o in self.last if o is not None]
+        return usage(
+            sum(len(p) for p in self.prompts),
+            sum(o.completion_tokens for o in last),
+            sum(o.cached_tokens for o in last),
+        )
 
 
 async def outputs(channel: Channel) -> AsyncIterator[Any]:
@@ -57,40 +116,41 @@ async def indexed(channels: list[Channel]) -> AsyncIterator[tuple[int, Any]]:
             task.cancel()
 
 
-async def sse_events(channels: list[Channel], reply: Reply) -> AsyncIterator[str]:
-    """Chunks with the new text, one with the finish reason for each choice, the usage if
-    asked for, then [DONE]. A failure half way ends the stream with an error object, as
-    OpenAI's does."""
+async def collect(channels: list[Channel], choices: Choices) -> None:
+    """Every output of every choice (channels[i] is choice i's; none with max_tokens 0)."""
+    async for i, output in indexed(channels):
+        choices.add(i, output)
+
+
+async def sse_events(channels: list[Channel], reply: Reply, choices: Choices) -> AsyncIterator[str]:
+    """An echoed prompt's chunk first, chunks with the new text (and its tokens' logprobs),
+    one with the finish reason for each choice, the usage if asked for, then [DONE]. A failure
+    half way ends the stream with an error object, as OpenAI's does."""
     if reply.kind == "chat":
         yield sse(reply.chunk(first=True))
     stamp = stamping()
-    last: list[Any] = [None] * len(channels)
     try:
+        for i, echoed in enumerate(choices.echoed):
+            if echoed is not None:
+                yield sse(reply.chunk(echoed[0], index=i, logprobs=choices.piece(i, echoed[1])))
+            if not channels:  # max_tokens 0: the prompt was all
+                yield sse(reply.chunk(finish_reason="length", index=i))
         async for i, output in indexed(channels):
-            last[i] = output
-            if output.text:
-                chunk = reply.chunk(output.text, index=i)
+            entries = choices.add(i, output)
+            if output.text or entries:
+                chunk = reply.chunk(output.text, index=i, logprobs=choices.piece(i, entries))
                 if stamp:
                     chunk["tiny_llm_sampled_at"] = output.sampled_at
                 yield sse(chunk)
             if output.finish_reason is not None:
                 yield sse(reply.chunk(finish_reason=output.finish_reason, index=i))
         if reply.include_usage:
-            yield sse(reply.usage_chunk(usage_of(last)))
+            yield sse(reply.usage_chunk(choices.usage()))
     except ApiError as e:
         yield sse(e.body())
     except Exception as e:  # a bug here must not leave the client waiting for [DONE]
         yield sse(server_error(e).body())
     yield sse("[DONE]")
-
-
-def usage_of(last: list[Any]) -> dict[str, Any]:
-    """The usage of a response: the counts of each request's last output, added up."""
-    return usage(
-        sum(o.prompt_tokens for o in last),
-        sum(o.completion_tokens for o in last),
-        sum(o.cached_tokens for o in last),
-    )
 
 
 def server_error(error: Exception) -> ApiError:
