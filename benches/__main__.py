@@ -14,7 +14,7 @@ from tiny_llm_support import startup
 BENCHMARKS = (
     "chunked-prefill", "flash-attention", "long-context", "model", "moe", "prefix-cache",
     "quantization", "ragged-step", "serving", "serving-overhead", "shape-stable", "speculative",
-    "tensor-parallel", "token-delivery",
+    "structured-output", "tensor-parallel", "token-delivery",
 )  # fmt: skip
 
 
