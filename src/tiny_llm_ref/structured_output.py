@@ -45,6 +45,7 @@ class Grammar:
         if self.matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {self.matcher.get_error()}")
         self.vocab_size = vocab_size
+        self.eos_token = grammar_tokenizer(tokenizer).eos_token  # the EOS a complete grammar allows
 
     def allowed(self) -> mx.array:
         """[V] bool: the tokens that may come next."""
@@ -77,8 +78,12 @@ class Grammar:
 
     def valid_guesses(self, guesses: list[int]) -> int:
         """How many of the guesses, in order, the grammar allows: the rest would be rejected
-        by the masked model anyway, so they need no rows."""
-        return self.matcher.validate_tokens(guesses)
+        by the masked model anyway, so they need no rows. Nor does an EOS guess: nothing can
+        follow it, and its row's own token is EOS whenever the guess would have been kept. (It
+        is also the one guess guess_masks could not roll back: llguidance does not record an
+        EOS taken after the grammar is complete, so rollback would undo one token too many.)"""
+        n = self.matcher.validate_tokens(guesses)
+        return guesses.index(self.eos_token) if self.eos_token in guesses[:n] else n
 
 
 def mask_rows(logits: mx.array, masks: list[mx.array | None]) -> mx.array:
