@@ -8,11 +8,16 @@ Task 3  Grammar.advance: the matcher moves past each token the request accepts; 
         grammar forbids is an error.
 Task 4  Grammar.guess_masks: one mask per row a speculative pass checks (row i: after the first
         i guesses), and the matcher rolled back to where it was.
+Task 5  TinyKvPagedCache.copy_on_write: a partly filled page another page table holds is copied
+        to a page of the writer's own before it is written.
+Task 6  fork_prefix: a fork's page tables start with its parent's pages (one more reference on
+        each) holding every prompt token but the last, which the fork computes itself.
 
 Oracles: a log-softmax in float64 numpy of the model's own logits, from one plain forward pass
 of the whole sequence (no cache reuse, no batch); llguidance's matcher, walked by the test
 itself; `jsonschema`, which validates every answer; the same request served alone, and the same
-engine without speculation (token for token); the page pool's counters.
+engine without speculation (token for token); the page pool's counters; n answers forked from
+one prefill against the same n requests each prefilling its own prompt (token for token).
 """
 
 import importlib
@@ -834,3 +839,168 @@ def test_score_is_the_log_softmax_of_one_forward_pass(impl, chat, step):
         )
         check_top(entry.top, lp[j - 1], 4, f"step {step}: prompt token {j}", TOL)
     assert not engine.has_work, "score runs outside the batch: no request is left behind"
+
+
+# --- n answers from one prefill (Tasks 5 and 6) ---------------------------------------------------
+
+
+def shared_pool(impl, max_pages=None):
+    return impl.TinyKvSharedPool(num_kv_heads=1, head_dim=2, page_size=PAGE, max_pages=max_pages)
+
+
+def kv(values) -> tuple[mx.array, mx.array]:
+    """Keys and values [1, 1, L, 2] whose token i holds the number values[i] (values negated)."""
+    k = mx.array(values, dtype=mx.float32)[None, None, :, None] * mx.ones((1, 1, 1, 2))
+    return k, -k
+
+
+def page_values(pool, page: int) -> list[float]:
+    return pool.key_pages[page, 0, :, 0].tolist()
+
+
+def forked_pair(impl, pool, tokens: int):
+    """A cache of `tokens` tokens (token i holds i + 1) and a second one sharing its pages the
+    way a fork does: one more reference on each, the same token count."""
+    first = impl.TinyKvPagedCache(pool)
+    first.append(*kv([i + 1.0 for i in range(tokens)]))
+    for page in first.page_table:
+        pool.hold(page)
+    second = impl.TinyKvPagedCache(pool)
+    second.share(list(first.page_table), tokens)
+    return first, second
+
+
+@pytest.mark.parametrize("write", ["append", "reserve"])
+def test_a_write_to_a_shared_partial_page_copies_it_first(impl, write):
+    pool = shared_pool(impl)
+    first, second = forked_pair(impl, pool, 6)  # pages [1 2 3 4] [5 6 . .]
+    shared = first.page_table[-1]
+    if write == "append":
+        second.append(*kv([60.0]))
+    else:
+        slot = second.reserve(1)[0]
+        pool.key_pages[slot // PAGE, :, slot % PAGE] = mx.full((1, 2), 60.0)
+    assert page_values(pool, shared)[:3] == [5.0, 6.0, 0.0], (
+        f"the first cache's last page now holds {page_values(pool, shared)[:3]}: the second "
+        f"cache wrote into the page both hold ({write}). copy_on_write must give the writer a "
+        "page of its own before the write"
+    )
+    own = second.page_table[-1]
+    assert own != shared and second.page_table[:-1] == first.page_table[:-1], (
+        f"page tables {first.page_table} and {second.page_table} after the write: only the "
+        "partly filled last page is copied; the full pages stay shared"
+    )
+    assert page_values(pool, own)[:3] == [5.0, 6.0, 60.0], (
+        f"the copy holds {page_values(pool, own)[:3]}, expected [5, 6, 60]: copy the shared "
+        "page's contents (pool.copy_page) before the new token is written after them"
+    )
+    assert pool.refs[shared] == 1 and pool.refs[own] == 1, (
+        f"references: the shared page {pool.refs.get(shared)}, the copy {pool.refs.get(own)}; "
+        "both should be 1: the writer lets go of the shared page (pool.free) once it has its copy"
+    )
+    assert second.offset == 7 and first.offset == 6, "offsets after one write: 6 and 7"
+    first.append(*kv([7.0]))  # the last holder writes in place: nobody else holds the page now
+    assert first.page_table[-1] == shared, (
+        "a page no other table holds was copied: copy only when the last page is shared"
+    )
+    first.release()
+    second.release()
+    assert pool.num_in_use == 0, f"{pool.num_in_use} pages still in use after both released"
+
+
+def test_a_copy_that_finds_no_free_page_changes_nothing(impl):
+    pool = shared_pool(impl, max_pages=2)
+    first, second = forked_pair(impl, pool, 6)  # both pages of the pool, shared
+    before = (list(second.page_table), dict(pool.refs), second.offset)
+    with pytest.raises(impl.PagePoolExhausted):
+        second.append(*kv([60.0]))
+    assert (list(second.page_table), dict(pool.refs), second.offset) == before, (
+        "a copy on write that found no free page changed the page table, the references or "
+        "the offset: check that a page can be allocated before touching anything"
+    )
+
+
+def test_fork_prefix_shares_every_prompt_token_but_the_last(impl, chat):
+    model, tokenizer = chat
+    pools = model.create_kv_pools(PAGE, prefix_cache=True)
+    prompt = prompt_of(tokenizer, 0)[:10]  # pages of 4: [0..3] [4..7] [8 9]
+    parent = impl.Request(model, tokenizer, prompt, 16, 0, MAX_SEQ_LEN, pools)
+    parent.try_prefill()
+    fork = impl.Request(model, tokenizer, prompt, 16, 1, MAX_SEQ_LEN, pools)
+    before = [pools[0].refs[p] for p in parent.kv_cache[0].page_table]
+    shared = impl.fork_prefix(fork, parent)
+    assert shared == 9 and fork.offset == 9, (
+        f"fork_prefix returned {shared} and left the fork's offset at {fork.offset}; both "
+        "should be 9: every prompt token but the last, whose logits give the fork its own first "
+        "token (sharing all 10 leaves nothing to compute)"
+    )
+    for layer, (cache, parent_cache) in enumerate(zip(fork.kv_cache, parent.kv_cache)):
+        assert cache.page_table == parent_cache.page_table and cache.offset == 9, (
+            f"layer {layer}: the fork's page table {cache.page_table} (offset {cache.offset}), "
+            f"the parent's {parent_cache.page_table}: all three pages, the partly filled one "
+            "too, holding 9 tokens"
+        )
+    after = [pools[0].refs[p] for p in parent.kv_cache[0].page_table]
+    assert after == [n + 1 for n in before], (
+        f"references per page {before} -> {after}: the fork takes one more on each page it "
+        "shares (pool.hold), or releasing either request frees a page the other still reads"
+    )
+    assert fork.entries[0] == parent.entries[0][:2], (
+        f"the fork's entries {fork.entries[0]}, the parent's {parent.entries[0]}: copy those of "
+        "the full pages it shares, so its own pages register after them in the prefix cache"
+    )
+    fork.release()
+    parent.release()
+    assert_all_pages_free(pools, "a parent and its fork released")
+
+
+def run_choices(impl, model, tokenizer, prompt, params, n, pools, policy, on_step=None):
+    engine = engine_for(impl, model, tokenizer, pools, policy, on_step=on_step)
+    ids = engine.add_choices(prompt, params, n)
+    got = {rid: [] for rid in ids}
+    while engine.has_work:
+        for out in engine.step():
+            got[out.request_id] += out.token_ids
+    return [got[rid] for rid in ids], engine.stats()
+
+
+@pytest.mark.parametrize(
+    "policy, in_place", [("alternate", False), ("hybrid", False), ("hybrid", True)]
+)
+def test_n_answers_are_forked_from_one_prefill(impl, chat, policy, in_place):
+    model, tokenizer = chat
+    prompt = prompt_of(tokenizer, 1)  # not a multiple of the page size: a partial page is shared
+    assert (len(prompt) - 1) % PAGE, "the prompt's shared tokens end inside a page (setup)"
+    admitted = []
+    on_step = lambda step: step.kind == "admit" and admitted.append(step.tokens)
+    sampled = params(impl, seed=3, max_tokens=12)
+    pools = model.create_kv_pools(PAGE, read_in_place=in_place, prefix_cache=True)
+    forked, stats = run_choices(impl, model, tokenizer, prompt, sampled, 3, pools, policy, on_step)
+    assert stats["prompt_tokens_prefilled"] == len(prompt) + 2, (
+        f"{stats['prompt_tokens_prefilled']} prompt tokens prefilled for 3 answers to a prompt "
+        f"of {len(prompt)}: the first request prefills it, each fork only its last token "
+        "(fork_prefix shares the rest)"
+    )
+    assert admitted[1:] == [len(prompt) - 1] * 2, (
+        f"the forks were admitted with {admitted[1:]} cached tokens, expected "
+        f"{len(prompt) - 1} each"
+    )
+    assert_all_pages_free(pools, f"3 forked answers ({policy}) have ended")
+    plain = model.create_kv_pools(PAGE, read_in_place=in_place)  # no sharing: no forks
+    alone, _ = run_choices(impl, model, tokenizer, prompt, sampled, 3, plain, policy)
+    assert forked == alone, (
+        "the forked answers differ from the same 3 requests each prefilling its own prompt: a "
+        "fork must see exactly its parent's keys and values (shared pages, the partly filled "
+        "one copied before it is written, not overwritten by another fork)"
+    )
+
+
+def test_forks_of_a_parent_that_ends_at_once_prefill_on_their_own(impl, chat):
+    model, tokenizer = chat
+    prompt = prompt_of(tokenizer, 2)
+    pools = model.create_kv_pools(PAGE, prefix_cache=True)
+    one = params(impl, seed=1, max_tokens=1)  # the parent's pages go back in its first step
+    forked, _ = run_choices(impl, model, tokenizer, prompt, one, 3, pools, "hybrid")
+    alone, _ = run_choices(impl, model, tokenizer, prompt, one, 3, None, "hybrid")
+    assert forked == alone, "answers of forks whose parent had already ended"
+    assert_all_pages_free(pools, "forks of a parent that ended at once")
