@@ -425,8 +425,8 @@ BAD = [
     (CHAT, {"model": "gpt-4o", "messages": HI}, 404, ["model", "gpt-4o", MODEL]),
     (TEXT, {"model": "gpt-4o", "prompt": "Hi"}, 404, ["model", "gpt-4o"]),
     (CHAT, {"messages": HI}, 400, ["model", "required"]),
-    (CHAT, {"model": MODEL, "messages": HI, "n": 2}, 400, ["n", "one choice"]),
-    (TEXT, {"model": MODEL, "prompt": "Hi", "best_of": 3}, 400, ["best_of"]),
+    (CHAT, {"model": MODEL, "messages": HI, "n": 17}, 400, ["n", "16"]),
+    (TEXT, {"model": MODEL, "prompt": "Hi", "best_of": 3}, 400, ["best_of", "n = 3"]),
     (TEXT, {"model": MODEL, "prompt": list(range(MAX_SEQ_LEN + 1))}, 400, ["prompt", "context"]),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": "a " * 400}]}, 400,
      ["messages", "context", str(MAX_SEQ_LEN)]),
@@ -441,7 +441,7 @@ BAD = [
     (TEXT, {"model": MODEL, "prompt": "Hi", "stop": [""]}, 400, ["stop", "empty"]),
     (TEXT, {"model": MODEL, "prompt": "Hi", "stop": 7}, 400, ["stop"]),
     (CHAT, {"model": MODEL, "messages": HI, "tools": [{"type": "function"}]}, 400,
-     ["tools", "not yet"]),
+     ["tools[0].function", "required"]),
     (CHAT, {"model": MODEL, "messages": HI, "top_logprobs": 3}, 400, ["top_logprobs", "logprobs"]),
     (CHAT, {"model": MODEL, "messages": HI, "response_format": {"type": "json_schema",
      "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}, 400, ["response_format"]),
@@ -450,8 +450,10 @@ BAD = [
     (CHAT, {"model": MODEL, "messages": []}, 400, ["messages"]),
     (CHAT, {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      400, ["messages[0].content", "text"]),
-    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
+    (CHAT, {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400,
      ["messages[0].role"]),
+    (CHAT, {"model": MODEL, "messages": [{"role": "tool", "content": "x"}]}, 400,
+     ["messages[0]", "tool_call_id"]),
     (CHAT, {"model": MODEL, "messages": HI, "stream_options": {"include_usage": True}}, 400,
      ["stream_options", "stream"]),
     (TEXT, {"model": MODEL, "prompt": ["Hi"] * 33}, 400, ["prompt", "at most 32 prompts"]),
@@ -499,9 +501,9 @@ def test_refused_requests_cost_the_engine_nothing(server):
 
 def test_openai_client_errors_and_neutral_fields(server):
     client = server.client()
-    with pytest.raises(openai.BadRequestError, match="tools"):
+    with pytest.raises(openai.BadRequestError, match=r"tools\[0\]\.function\.name"):
         client.chat.completions.create(
-            model=MODEL, messages=HI, tools=[{"type": "function", "function": {"name": "f"}}]
+            model=MODEL, messages=HI, tools=[{"type": "function", "function": {"name": "f g"}}]
         )
     with pytest.raises(openai.NotFoundError, match="gpt-4o"):
         client.chat.completions.create(model="gpt-4o", messages=HI)

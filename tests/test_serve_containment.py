@@ -4,8 +4,9 @@ an engine process that dies is noticed, reported on /health and started again.
 
 The failures are real bugs planted in a copy of the reference solution, served as the student
 package (--solution tiny_llm, found first on PYTHONPATH): one in Engine.add_request for a
-request with seed 7, one in a step whenever a request samples at temperature 1.5, and one in
-Engine.score (echo's prompt logprobs) when asked for 7 top tokens.
+request with seed 7 (also the second of n answers seeded 6), one in a step whenever a request
+samples at temperature 1.5, and one in Engine.score (echo's prompt logprobs) when asked for 7
+top tokens.
 """
 
 import json
@@ -120,6 +121,18 @@ def test_a_request_that_breaks_add_request_fails_alone(faulty):
     )
     assert health(faulty)[1]["engine_failures"] == 0  # refused alone: no step failed
     assert_serving(faulty, "after a failed add")
+
+
+def test_choices_that_break_half_way_leave_nothing_behind(faulty):
+    """n=3 with seed 6: answer 1 samples with seed 7, whose add_request raises after answer 0
+    was queued. The request fails alone, and answer 0 is aborted, not left running for no
+    one (its slot and pages back)."""
+    aborted = faulty.metrics()["tiny_llm_requests_aborted_total"]
+    status, body = complete(faulty, seed=6, temperature=0.5, n=3, max_tokens=100)
+    assert status == 500 and "a bug planted in add_request" in body["error"]["message"], body
+    wait_until(lambda: faulty.metrics()["tiny_llm_requests_aborted_total"] == aborted + 1, 10,
+               "the answer queued before the failure is aborted")  # fmt: skip
+    assert_serving(faulty, "after choices failed half way")
 
 
 def test_a_prompt_that_breaks_score_fails_alone(faulty):

@@ -3,13 +3,14 @@ kind rather than by instance.
 
 For each field of /v1/chat/completions and /v1/completions (model, messages and their role,
 content, text parts and name, prompt in each of its forms, the limits, the sampling settings,
-stop, stream, stream_options, ignore_eos, user, logprobs, top_logprobs, echo, response_format, and
-the OpenAI fields accepted only at their off values, server_api.NEUTRAL), the kinds of value a client can send: integers from -2**63-1 to
-10**30, floats from 5e-324 to 1e999 with NaN and the infinities (raw JSON tokens, which Python's
-json reads though they are not JSON), empty, huge (500 KB), lone-surrogate, NUL, emoji and
-10,000-newline strings, the wrong types, JSON nested 100,000 deep, an empty or non-UTF-8 body, and
-5,000 messages. Each body is written as raw bytes, so that a value goes on the wire exactly as
-listed.
+stop, stream, stream_options, ignore_eos, user, logprobs, top_logprobs, echo, response_format, n,
+chat's tools (a tool's name, description and parameters), tool_choice and the tool-calling turns
+of a conversation, and the OpenAI fields accepted only at their off values, server_api.NEUTRAL),
+the kinds of value a client can send: integers from -2**63-1 to 10**30, floats from 5e-324 to
+1e999 with NaN and the infinities (raw JSON tokens, which Python's json reads though they are
+not JSON), empty, huge (500 KB), lone-surrogate, NUL, emoji and 10,000-newline strings, the
+wrong types, JSON nested 100,000 deep, an empty or non-UTF-8 body, and 5,000 messages. Each
+body is written as raw bytes, so that a value goes on the wire exactly as listed.
 
 The contract of every case: the answer is a success (200 and a well-formed OpenAI object, or for
 stream: true server-sent events whose data lines are JSON chunks, ending with `data: [DONE]`) or
@@ -331,7 +332,7 @@ def common_fields(path) -> list[Case]:
         ("echo", b"false", b"true", "ok" if path == TEXT else "error"),  # a completion's field
         ("logit_bias", b"{}", b'{"1": 5}', "error"),
         ("tools", b"[]", b'[{"type": "function"}]', "error"),
-        ("tool_choice", b'"none"', b'"auto"', "error"),
+        ("tool_choice", b'"none"', b'"required"', "error"),  # "required" without tools
         ("functions", b"[]", b'[{"name": "f"}]', "error"),
         ("function_call", b'"none"', b'"auto"', "error"),
         ("parallel_tool_calls", b"false", b'"yes"', "error"),
@@ -342,7 +343,8 @@ def common_fields(path) -> list[Case]:
     ]:
         cases.append(case(path, field, "off", off, "ok", field))
         cases.append(case(path, field, "null", b"null", "ok", field))
-        cases.append(case(path, field, "other", other, other_expect, field))
+        other_param = "tools[0].function" if (path, field) == (CHAT, "tools") else field
+        cases.append(case(path, field, "other", other, other_expect, other_param))
         cases.append(case(path, field, "deep", DEEP, "error"))
     cases += logprob_fields(path) + response_formats(path)
     # unknown fields
@@ -456,7 +458,9 @@ def chat_fields() -> list[Case]:
     for role, expect in [("system", "either"), ("developer", "either"), ("assistant", "either"),
                          ("User", "error"), ("tool", "error"), ("function", "error")]:  # fmt: skip
         raw = json.dumps(role).encode()
-        cases.append(case(CHAT, ("messages", 0, "role"), role, raw, expect, "messages[0].role"))
+        # a tool message without the tool_call_id it needs: the message's fault
+        param = "messages[0]" if role == "tool" else "messages[0].role"
+        cases.append(case(CHAT, ("messages", 0, "role"), role, raw, expect, param))
     # content, as a string and as text parts
     content = ("messages[0].content", "messages")
     cases += string_field(CHAT, ("messages", 0, "content"), text_expect, content,
@@ -554,7 +558,68 @@ def text_fields() -> list[Case]:
     return cases
 
 
-CASES = chat_fields() + common_fields(CHAT) + text_fields() + common_fields(TEXT)
+def tool_fields() -> list[Case]:
+    """Chat's tools (Week 4 Day 8): a tool's name, description and parameters schema, tool_choice,
+    and the tool-calling turns of a conversation. One small tool fits the context (its system
+    message is about 200 tokens), so a case whose text grows the prompt may be refused."""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    base = {**BASE[CHAT], "tools": [tool]}
+    where = lambda *rest: ("tools", 0, "function", *rest)
+    cases = string_field(CHAT, where("name"), lambda _: "error", "tools[0].function.name", base)
+    # a long description makes the prompt too long for the context: a 400 naming messages
+    cases += string_field(CHAT, where("description"), lambda _: "either",
+                          ("tools[0].function.description", "messages"), base)  # fmt: skip
+    deep = {"type": "string"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    for label, value, expect in [
+        ("object", {"type": "object"}, "ok"),
+        ("absent-type", {"properties": {"a": {"type": "integer"}}}, "ok"),
+        ("string-type", {"type": "string"}, "error"),
+        ("unsupported", {"type": "object", "properties": {"a": {"uniqueItems": True}}}, "error"),
+        ("bad-ref", {"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}}, "error"),
+        ("nested-200", {"type": "object", "properties": {"a": deep}}, "either"),
+        ("huge-enum", {"type": "object", "properties": {"a": {"enum": list(range(20_000))}}},
+         "either"),
+    ]:  # fmt: skip
+        raw = json.dumps(value).encode()
+        cases.append(case(CHAT, where("parameters"), label, raw, expect,
+                          ("tools[0].function.parameters", "messages"), base))  # fmt: skip
+    cases.append(case(CHAT, where("parameters"), "deep", DEEP, "error", ANY, base))
+    many = json.dumps([{"type": "function", "function": {"name": f"f{i}"}} for i in range(129)])
+    cases.append(case(CHAT, "tools", "129-tools", many.encode(), "error", "tools"))
+    for label, raw, expect, param in [
+        ("none", b'"none"', "ok", "tool_choice"), ("auto", b'"auto"', "ok", "tool_choice"),
+        ("required", b'"required"', "ok", "tool_choice"),
+        ("named", b'{"type": "function", "function": {"name": "f"}}', "ok", "tool_choice"),
+        ("named-unknown", b'{"type": "function", "function": {"name": "g"}}', "error",
+         "tool_choice"),
+        ("named-null", b'{"type": "function", "function": {"name": null}}', "error",
+         "tool_choice"),
+        ("string", b'"always"', "error", "tool_choice"), ("int", b"1", "error", "tool_choice"),
+        ("deep", DEEP, "error", ANY),
+    ]:  # fmt: skip
+        cases.append(case(CHAT, "tool_choice", f"with-a-tool-{label}", raw, expect, param, base))
+    # a conversation that sends a call and its result back (the tools left out: it fits)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    turns = [{"role": "assistant", "content": None, "tool_calls": [call]},
+             {"role": "tool", "tool_call_id": "c1", "content": "ok"}]  # fmt: skip
+    history = {**BASE[CHAT], "messages": [*HI, *turns]}
+    cases.append(case(CHAT, ("messages", 2, "content"), "tool-result", b'"42"', "ok",
+                      "messages[2].content", history))  # fmt: skip
+    call_id = ("messages[2].tool_call_id", "messages[2]", "messages")
+    cases += string_field(CHAT, ("messages", 2, "tool_call_id"), lambda _: "either", call_id,
+                          history)  # fmt: skip
+    cases += string_field(CHAT, ("messages", 1, "tool_calls", 0, "function", "arguments"),
+                          lambda _: "either", ("messages[1].tool_calls[0].function.arguments",
+                                               "messages"), history)  # fmt: skip
+    for label, raw in [("null", b"null"), ("empty", b"[]"), ("object", b"{}"), ("deep", DEEP)]:
+        expect = "ok" if label in ("null", "empty") else "error"
+        cases.append(case(CHAT, ("messages", 1, "tool_calls"), label, raw, expect, ANY, history))
+    return cases
+
+
+CASES = chat_fields() + tool_fields() + common_fields(CHAT) + text_fields() + common_fields(TEXT)
 assert len({c.id for c in CASES}) == len(CASES), "two cases share an id"
 
 

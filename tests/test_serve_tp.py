@@ -38,14 +38,14 @@ def answers(server: Server) -> list[str]:
 
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("one-rank"), "--max-seq-len", "128")
+    server = Server(tmp_path_factory.mktemp("one-rank"), "--max-seq-len", "512")
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
-    server = Server(tmp_path_factory.mktemp("two-ranks"), "--max-seq-len", "128", "--tp", "2")
+    server = Server(tmp_path_factory.mktemp("two-ranks"), "--max-seq-len", "512", "--tp", "2")
     yield server
     server.stop()
 
@@ -86,6 +86,29 @@ def test_two_ranks_score_prompts_and_follow_grammars_as_one(one_rank, two_ranks)
     assert text == text_1 and json.loads(text)["color"] in ("red", "blue"), (text, text_1)
     assert scores[0] is None and all(abs(a - b) < 1e-4 for a, b in zip(scores[1:], scores_1[1:]))
     assert answers(two_ranks) == answers(one_rank), "the ranks fell out of step after a score"
+
+
+def test_two_ranks_fork_choices_and_call_tools_as_one(one_rank, two_ranks):
+    """n answers are one operation (server_ranks.add_op with n: Engine.add_choices on every
+    rank, forks and seeds alike); an enforced tool call's grammar travels with its settings."""
+    tool = {"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["n"], "additionalProperties": False}}}  # fmt: skip
+
+    def ask(server: Server) -> tuple:
+        client = server.client()
+        choices = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Tell me a story."}], n=3,
+            max_tokens=8, temperature=1.0, seed=4,
+        )  # fmt: skip
+        call = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Pick."}], max_tokens=60,
+            tools=[tool], tool_choice="required", temperature=0,
+        ).choices[0].message.tool_calls[0].function  # fmt: skip
+        return [c.message.content for c in choices.choices], (call.name, call.arguments)
+
+    assert ask(two_ranks) == ask(one_rank), "n choices or a tool call differ between ranks"
+    assert answers(two_ranks) == answers(one_rank), "the ranks fell out of step after n choices"
 
 
 def rank_processes(rank: int) -> list[int]:

@@ -6,12 +6,17 @@ loops: take the commands waiting, take one engine step, send what it produced. W
 do it sleeps on the pipe. Between the two processes no interpreter is shared, so a long forward
 pass never delays the HTTP side's streaming, and nothing the engine raises can stop the server.
 
-    HTTP -> engine   ("add", key, prompt ids, SamplingParams)   a request (`key`: the HTTP side's)
+    HTTP -> engine   ("add", keys, prompt ids, SamplingParams)  a request, or with n keys n answers
+                                                                 to one prompt (Engine.add_choices;
+                                                                 `keys`: the HTTP side's)
                      ("abort", key)                              its client left
                      ("score", key, prompt ids, k)               prompt logprobs (echo), answered
                                                                  between two steps
                      ("close",)                                  stop now
     engine -> HTTP   ("ready", info) | ("failed", kind, text)    once, after building the engine
+                                                                 (info: the agents' features
+                                                                 the solution has, and why the
+                                                                 others are missing)
                      ("accepted", key) | ("refused", key, status, message)
                      ("scored", key, entries)                    a score's logprob entries
                      ("turn", outputs, stats)                    what a step produced (each
@@ -42,7 +47,7 @@ from types import ModuleType
 from typing import Any
 
 from . import batch_settings as settings
-from . import cli, scheduler_lines, speculative_settings
+from . import cli, scheduler_lines, server_features, speculative_settings
 from .live_view import MIN_INTERVAL_S, EngineWatch
 from .server_ranks import add_op, broadcast, with_seed
 
@@ -145,7 +150,11 @@ class EngineLoop:
             return self.send("failed", "usage", str(e))
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             return self.send("failed", "error", str(e))
-        self.send("ready", {"vocab_size": config.vocab_size, "max_seq_len": args.max_seq_len})
+        shares_pages = bool(args.prefix_cache and self.engine.pools)
+        missing = server_features.probe(package, shares_pages, args.speculative is not None)
+        info = {"vocab_size": config.vocab_size, "max_seq_len": args.max_seq_len}
+        features = [f for f in server_features.FEATURES if f not in missing]
+        self.send("ready", info | {"features": features, "missing": missing})
         return True
 
     def join_ranks(self, args: argparse.Namespace) -> Any:
@@ -222,23 +231,41 @@ class EngineLoop:
             taken.append(("close",))
         return taken
 
-    def add(self, key: int, prompt: list[int], params: Any) -> list:
-        """Add a request; returns the operations that reached the engine."""
+    def add(self, keys: list[int], prompt: list[int], params: Any) -> list:
+        """Add a request, or n answers to one prompt (one key each), all or none; returns the
+        operations that reached the engine."""
         if self.relay is not None:
             params = with_seed(params)
-        op = [add_op(prompt, params)]
+        op = [add_op(prompt, params, len(keys))]
+        first = getattr(self.engine, "next_id", None)
         try:
-            rid = self.engine.add_request(prompt, params)
+            if len(keys) == 1:
+                rids = [self.engine.add_request(prompt, params)]
+            else:
+                rids = self.engine.add_choices(prompt, params, len(keys))
         except ValueError as e:  # what only the engine can check; it allocated nothing
-            self.send("refused", key, 400, str(e))
-            return op  # the other ranks' engines refuse it too, and count its id alike
+            for key in keys:
+                self.send("refused", key, 400, str(e))
+            return op  # the other ranks' engines refuse it too, and count its ids alike
         except Exception as e:
             report(e, "adding a request")
-            self.send("refused", key, 500, f"the engine could not add the request: {brief(e)}")
-            return op
-        self.live[rid] = key
-        self.send("accepted", key)
+            for key in keys:
+                self.send("refused", key, 500, f"the engine could not add the request: {brief(e)}")
+            return op + self.abort_added(first)
+        for rid, key in zip(rids, keys):
+            self.live[rid] = key
+            self.send("accepted", key)
         return op
+
+    def abort_added(self, first: int | None) -> list:
+        """After n answers failed half way (a bug: the engine checks everything before it
+        queues the first), the ones already queued are aborted: no client waits for them."""
+        if first is None:
+            return []
+        ids = range(first, self.engine.next_id)
+        for rid in ids:
+            self.engine.abort(rid)  # an id never queued is ignored
+        return [["abort", rid] for rid in ids]
 
     def score(self, key: int, prompt: list[int], k: int) -> None:
         """Score a prompt (Engine.score: a forward pass on a cache of its own, no page or slot

@@ -18,9 +18,14 @@ request's Channel and go out as one JSON response or as server-sent events. A cl
 up gets its request aborted, so its slot and pages serve someone else.
 
 For agents and evaluators (Week 4 Day 8): logprobs; completions' echo, the prompt's logprobs
-scored by the engine process between two steps (max_tokens 0: nothing generated); and
+scored by the engine process between two steps (max_tokens 0: nothing generated);
 response_format, a JSON schema compiled here (once per schema) into the engine's grammar, so that
-a bad one is a 400 before the engine sees anything (server_formats). Not yet: n > 1, tools.
+a bad one is a 400 before the engine sees anything (server_formats); `n` answers to each prompt,
+added by one engine command (Engine.add_choices: the prompt prefilled once); and tools on chat:
+rendered by the chat template (chat_format), a call enforced by a grammar for tool_choice
+"required" or a named function (server_tools), the model's calls parsed out of its text
+(server_tool_calls). A solution whose Week 4 Day 8 tasks are not written yet serves plain
+requests and refuses these with a 400 naming the task (server_features).
 
 With --api-key, /v1/* and /events need "Authorization: Bearer <key>"; the page and its two files
 need none (they hold no data), and the page, told by its <meta name="api-key"> that a key is
@@ -41,19 +46,25 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .chat_format import render_with_tools
 from .server_api import ApiError, ChatRequest, CompletionRequest, parse_request, sampling_settings
 from .server_channels import Channel
 from .server_engine import EngineClient
+from .server_features import refusal
 from .server_formats import Grammars, SchemaError, TokenTexts, logprob_writer
+from .server_http import (
+    MAX_BODY_BYTES,
+    error_response,
+    http_error_response,
+    read_body,
+    server_error_response,
+)
 from .server_metrics import prometheus_text
 from .server_page import LivePage
 from .server_replies import EVENT_STREAM, Reply
-from .server_stream import Choices, collect, server_error, sse_events
+from .server_stream import Choices, collect, sse_events
+from .server_tools import ToolError, ToolPlan, plan_tools
 from .tokenizer import ChatTemplateError, check_chat_text
-
-MAX_BODY_BYTES = 1 << 20  # 1 MiB: far more than any prompt the context can hold
-DRAIN_BYTES = 16 << 20  # read (and drop) a too-large body up to this size before answering
-BODY_TIMEOUT_S = 20  # a request body must arrive whole within this (a stalled upload: 408)
 
 
 @dataclass
@@ -103,9 +114,9 @@ class OpenAIServer(LivePage):
         app.add_api_route("/", self.page, methods=["GET"])
         app.add_api_route("/static/{name}", self.static, methods=["GET"])
         app.add_api_route("/events", self.events, methods=["GET"])
-        app.add_exception_handler(ApiError, _error_response)
-        app.add_exception_handler(HTTPException, _http_error_response)
-        app.add_exception_handler(Exception, _server_error_response)
+        app.add_exception_handler(ApiError, error_response)
+        app.add_exception_handler(HTTPException, http_error_response)
+        app.add_exception_handler(Exception, server_error_response)
         return app
 
     # --- endpoints ----------------------------------------------------------------------------
@@ -114,8 +125,12 @@ class OpenAIServer(LivePage):
         self._authorize(request)
         body = parse_request(await read_body(request, self.settings.max_body_bytes), ChatRequest)
         self._check_model(body.model)
-        text = self._chat_prompt(body.conversation())
-        return await self._generate(request, "chat", body, [self._encode(text, "messages")])
+        try:
+            tools = await plan_tools(body.tools, body.tool_choice, self.grammars)
+        except ToolError as e:
+            raise ApiError(400, str(e), e.param) from e
+        text = self._chat_prompt(body.conversation(), tools)
+        return await self._generate(request, "chat", body, [self._encode(text, "messages")], tools)
 
     async def completions(self, request: Request) -> Response:
         self._authorize(request)
@@ -167,15 +182,15 @@ class OpenAIServer(LivePage):
                 code="model_not_found",
             )
 
-    def _chat_prompt(self, conversation: list[dict[str, str]]) -> str:
-        """The conversation through the chat template; 400 for one without text, and for one
-        the template refuses (its message, not the server's file names)."""
+    def _chat_prompt(self, conversation: list[dict], tools: ToolPlan | None) -> str:
+        """The conversation (and the tools) through the chat template; 400 for one without
+        text, and for one the template refuses (its message, not the server's file names)."""
         try:
             check_chat_text(conversation)
         except ValueError as e:
             raise ApiError(400, str(e), "messages") from e
         try:
-            return self.tokenizer.apply_chat_template(conversation)
+            return render_with_tools(self.tokenizer, conversation, tools and tools.tools)
         except ValueError as e:  # a ChatTemplateError, or no template at all
             detail = e.detail if isinstance(e, ChatTemplateError) else str(e)
             raise ApiError(
@@ -212,18 +227,34 @@ class OpenAIServer(LivePage):
         except Exception as e:  # e.g. a lone surrogate that slipped past the body's checks
             raise ApiError(400, f"'{field}' cannot be tokenized: {e}", param=field) from e
 
-    async def _sampling_params(self, body: Any) -> Any:
-        """The request's SamplingParams, its response_format's grammar compiled."""
+    async def _sampling_params(self, body: Any, tools: ToolPlan | None) -> Any:
+        """The request's SamplingParams, its response_format's grammar compiled, or the grammar
+        of an enforced tool call."""
         try:
             grammar = await self.grammars.grammar(body.response_format)
         except SchemaError as e:
             raise ApiError(400, f"invalid 'response_format': {e}", "response_format") from e
+        if tools is not None and tools.grammar is not None:
+            if grammar is not None:
+                message = (
+                    "'response_format' cannot apply to an answer that tool_choice makes a call"
+                )
+                raise ApiError(400, message, "response_format")
+            grammar = tools.grammar
         try:
             params = self.make_params(**sampling_settings(body, grammar))
             params.check()
         except ValueError as e:
             raise ApiError(400, str(e)) from e
         return params
+
+    def _check_features(self, params: Any, n: int, tools: ToolPlan | None) -> None:
+        """400 for a request that needs a Week 4 Day 8 task the solution has not written yet
+        (the engine process found out at start-up: server_features)."""
+        enforced = tools is not None and tools.grammar is not None
+        refused = refusal(self.service.info.get("missing", {}), params, n, enforced)
+        if refused is not None:
+            raise ApiError(400, refused[1], refused[0], code="not_implemented")
 
     def _model_card(self) -> dict[str, Any]:
         return {
@@ -236,37 +267,51 @@ class OpenAIServer(LivePage):
     # --- generation ---------------------------------------------------------------------------
 
     async def _generate(
-        self, request: Request, kind: str, body: Any, prompts: list[list[int]]
+        self,
+        request: Request,
+        kind: str,
+        body: Any,
+        prompts: list[list[int]],
+        tools: ToolPlan | None = None,
     ) -> Response:
-        """Check, submit every prompt (one engine request each: a completion may hold several
-        prompts, answered as choices 0, 1, ...; none with max_tokens 0), and with echo and
-        logprobs a score of each, wait until the engine has taken them all, then answer."""
+        """Check, submit the n answers to every prompt (one engine command each: a completion
+        may hold several prompts; answer j to prompt p is choice p * n + j; none with
+        max_tokens 0), and with echo and logprobs a score of each prompt, wait until the engine
+        has taken them all, then answer."""
         field = "messages" if kind == "chat" else "prompt"
         for i, ids in enumerate(prompts):
             self._check_prompt(ids, field if len(prompts) == 1 else f"{field}[{i}]")
-        params = await self._sampling_params(body)
+        n = body.choices()
+        params = await self._sampling_params(body, tools)
+        self._check_features(params, n, tools)
         k = params.logprobs
         if k is not None:
             await self.texts.ready()
-        channels = [Channel(ids, params) for ids in prompts] if body.limit != 0 else []
+        groups = [[Channel(ids, params) for _ in range(n)] for ids in prompts]
+        channels = [c for group in groups for c in group] if body.limit != 0 else []
         scoring = body.echoes and k is not None
         scores = [Channel(ids, None, score=k) for ids in prompts] if scoring else []
         try:
-            for channel in scores + channels:
-                self.service.submit(channel)  # a 429 or 503 is raised here
+            for channel in scores:
+                self.service.submit(channel)  # a 503 is raised here
+            for group in groups if channels else []:
+                self.service.submit(*group)  # a 429 or 503 is raised here
             for channel in channels:
                 await channel.next()  # Accepted, or the ApiError of a refusal is raised
             scored = [(await channel.next()).entries for channel in scores]
         except BaseException:  # a refusal, or the client left: the others are aborted
             self._cancel(channels)
             raise
-        choices = Choices(prompts, None if k is None else logprob_writer(kind, self.texts))
+        write = None if k is None else logprob_writer(kind, self.texts)
+        parsed = tools.names if tools is not None and tools.parse else None
+        choices = Choices(prompts, write, n, parsed)
         if body.echoes:
             for i, ids in enumerate(prompts):
                 entries = [(ids[0], None, None), *scored[i][1:]] if scores else []
                 prompt = body.prompt[i]
-                choices.echo(i, prompt if isinstance(prompt, str) else self.tokenizer.decode(ids),
-                             entries)  # fmt: skip
+                text = prompt if isinstance(prompt, str) else self.tokenizer.decode(ids)
+                for j in range(n):
+                    choices.echo(i * n + j, text, entries)
         hangup = asyncio.create_task(self._cancel_on_hangup(request, channels))
         options = body.stream_options
         reply = Reply(kind, self.settings.model_id, bool(options and options.include_usage))
@@ -308,49 +353,3 @@ class OpenAIServer(LivePage):
         finally:
             hangup.cancel()
             self._cancel(channels)
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The body, or ApiError(413) past `limit` bytes, or ApiError(408) when it does not arrive
-    within BODY_TIMEOUT_S (a stalled upload would hold its connection forever). A larger body
-    is still read (up to DRAIN_BYTES) so that the client, which is still sending, receives the
-    413 instead of a connection reset."""
-    try:
-        body, size = await asyncio.wait_for(_read(request, limit), BODY_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        raise ApiError(
-            408, f"the request body did not arrive within {BODY_TIMEOUT_S} s", code="timeout"
-        ) from None
-    if size > limit:
-        raise ApiError(
-            413, f"the request body is over the limit of {limit} bytes", code="request_too_large"
-        )
-    return body
-
-
-async def _read(request: Request, limit: int) -> tuple[bytes, int]:
-    """(the body's first `limit` bytes, its size as far as it was read)."""
-    body, size = bytearray(), 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size <= limit:
-            body += chunk
-        elif size > DRAIN_BYTES:
-            break
-    return bytes(body), size
-
-
-async def _error_response(request: Request, error: ApiError) -> Response:
-    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-
-async def _http_error_response(request: Request, error: HTTPException) -> Response:
-    """Starlette's own errors (no such route, wrong method) as OpenAI error objects."""
-    message = f"{request.method} {request.url.path}: {error.detail}"
-    error = ApiError(error.status_code, message, headers=error.headers)  # 405: its Allow header
-    return await _error_response(request, error)
-
-
-async def _server_error_response(request: Request, error: Exception) -> Response:
-    """A bug on the server's side: a 500 with an OpenAI error object, the traceback in the log."""
-    return await _error_response(request, server_error(error))

@@ -3,51 +3,52 @@ JSON of errors (ApiError). The JSON of answers, whole or streamed, is server_rep
 
 Every check here runs before a request reaches the engine, so a refused request costs the engine
 nothing. A field the server does not implement is refused by name rather than ignored: a client
-that asks for `tools` or `n: 3` and silently gets none would be misled. Clients do send some of
-those fields with the value that means "off" (`n: 1`, `tools: []`, ...); NEUTRAL lists the values
-that are accepted for that reason.
+that asks for `logit_bias` or `presence_penalty` and silently gets none would be misled. Clients
+do send some of those fields with the value that means "off" (`presence_penalty: 0`,
+`logit_bias: {}`, ...); NEUTRAL lists the values that are accepted for that reason.
 
 Week 4 Day 8 added what agents and evaluators ask for: logprobs (and completions' echo, with
-max_tokens 0 for a prompt scored alone) and response_format; their wire formats: server_formats.
+max_tokens 0 for a prompt scored alone) and response_format, whose wire formats are
+server_formats'; `n` answers to each prompt (best_of only equal to n); and on chat, tools
+(server_tools: `tools`, `tool_choice`; server_messages: the tool-calling turns a conversation
+sends back).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import (
-    BaseModel,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
-    model_validator,
 )
 
-from .server_formats import ResponseFormat
+from .server_formats import ResponseFormat, StrictBody
+from .server_messages import ChatMessage
+from .server_tools import Tool, tool_choice
 
 MAX_SEED = 2**64 - 1
 MAX_COUNT = 2**31 - 1  # max_tokens, top_k: what any int32 counter of an engine can hold
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # each step looks for every stop string in the new text
 MAX_PROMPTS = 32  # the prompts of one completion request, each an engine request of its own
 MAX_TOP_LOGPROBS = 20  # chat's top_logprobs (OpenAI's limit); completions' (OpenAI 5, vLLM 20)
+MAX_CHOICES = 16  # n: answers to one prompt (the engine's MAX_CHOICES), each a decode slot
 
 # field -> (values that leave the output unchanged, why another value is refused). A field that
 # the endpoint's body declares (chat's top_logprobs, completions' echo) is that body's, not this.
 NEUTRAL: dict[str, tuple[tuple[Any, ...], str]] = {
-    "n": ((1,), "one choice per request (not yet more): send n = 1 or leave it out"),
-    "best_of": ((1,), "one choice per request (not yet more): send best_of = 1"),
     "top_logprobs": ((0,), "on /v1/completions, 'logprobs': k asks for the k most likely tokens"),
     "echo": ((False,), "a chat answer does not repeat the conversation (a completion's does)"),
     "presence_penalty": ((0,), "this server has no presence penalty"),
     "frequency_penalty": ((0,), "this server has no frequency penalty"),
     "logit_bias": (({},), "this server does not bias logits"),
-    "tools": (([],), "this server does not call tools (not yet)"),
-    "tool_choice": (("none",), "this server does not call tools (not yet)"),
-    "functions": (([],), "this server does not call functions (not yet)"),
-    "function_call": (("none",), "this server does not call functions (not yet)"),
-    "parallel_tool_calls": ((True, False), "this server does not call tools (not yet)"),
+    "tools": (([],), "tools are offered on /v1/chat/completions"),
+    "tool_choice": (("none",), "tools are offered on /v1/chat/completions"),
+    "functions": (([],), "the deprecated 'functions' are sent as 'tools' now"),
+    "function_call": (("none",), "the deprecated 'function_call' is sent as 'tool_choice' now"),
+    "parallel_tool_calls": ((True, False), "tools are offered on /v1/chat/completions"),
     "modalities": ((["text"],), "this server only writes text"),
     "store": ((False,), "this server stores nothing"),
     "suffix": (("",), "this server does not insert text before a suffix"),
@@ -76,51 +77,11 @@ class ApiError(Exception):
         return {"error": {**error, "code": self.code}}
 
 
-class _Body(BaseModel):
-    """Strict: "1" is not a number and an unknown field is an error (extra="forbid")."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
-
-
-class StreamOptions(_Body):
+class StreamOptions(StrictBody):
     include_usage: bool = False
 
 
-class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: Any
-    name: str | None = None  # who spoke (LangChain sends it); the chat template may use it
-
-    @field_validator("content")
-    @classmethod
-    def _text_only(cls, content: Any) -> str | None:
-        """A string, or a list of {"type": "text", "text": ...} parts (joined); None is left
-        for the check below."""
-        if content is None or isinstance(content, str):
-            return content
-        if isinstance(content, list):
-            return "".join(_text_part(part, i) for i, part in enumerate(content))
-        raise ValueError("must be a string or a list of text parts")
-
-    @model_validator(mode="after")
-    def _null_only_from_the_assistant(self) -> ChatMessage:
-        """content null: what clients send back for an assistant turn that had no text."""
-        if self.content is None:
-            if self.role != "assistant":
-                raise ValueError("'content' may be null only in an assistant message")
-            self.content = ""
-        return self
-
-
-def _text_part(part: Any, index: int) -> str:
-    if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
-        raise ValueError(f"part {index}: only {{'type': 'text', 'text': ...}} parts are supported")
-    if not isinstance(part["text"], str):
-        raise ValueError(f"part {index}: 'text' must be a string")
-    return part["text"]
-
-
-class _Generation(_Body):
+class _Generation(StrictBody):
     """What both endpoints take: sampling, limits, stop strings, streaming."""
 
     model: str
@@ -130,6 +91,8 @@ class _Generation(_Body):
     top_k: int | None = Field(None, ge=1, le=MAX_COUNT)  # not OpenAI's; vLLM and mlx-lm take it
     seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: Any = ()
+    n: int | None = Field(None, ge=1, le=MAX_CHOICES)  # answers to each prompt
+    best_of: int | None = None  # OpenAI's older n: accepted only equal to n
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # not OpenAI's: fixed-length answers for load tests (as vLLM)
@@ -166,12 +129,33 @@ class _Generation(_Body):
         """SamplingParams.logprobs: None for none, else the number of top tokens with each."""
         return None
 
+    def choices(self) -> int:
+        """n: answers to each prompt (default 1). best_of, which would pick the likeliest n of
+        best_of answers, is refused unless it equals n (then it changes nothing)."""
+        n = self.n or 1
+        if self.best_of is not None and self.best_of != n:
+            raise ApiError(
+                400,
+                f"'best_of' {self.best_of} is not supported: the server returns every answer "
+                f"it generates; send n = {self.best_of} instead (or best_of = n)",
+                "best_of",
+            )
+        return n
+
 
 class ChatRequest(_Generation):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1, le=MAX_COUNT)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[Tool] | None = None
+    tool_choice: Any = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: bool | None = None  # accepted; an enforced answer is one call
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice(cls, choice: Any) -> Any:
+        return tool_choice(choice)
 
     @property
     def limit(self) -> int | None:
@@ -187,12 +171,9 @@ class ChatRequest(_Generation):
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true too", "top_logprobs")
         return None
 
-    def conversation(self) -> list[dict[str, str]]:
-        """The messages as the chat template takes them (a "developer" message is the newer
-        name of a "system" one)."""
-        role = lambda r: "system" if r == "developer" else r
-        named = lambda m: {"name": m.name} if m.name is not None else {}
-        return [{"role": role(m.role), "content": m.content, **named(m)} for m in self.messages]
+    def conversation(self) -> list[dict[str, Any]]:
+        """The messages as the chat template takes them."""
+        return [m.for_template() for m in self.messages]
 
 
 class CompletionRequest(_Generation):
@@ -259,7 +240,7 @@ def sampling_settings(body: _Generation, grammar: str | None = None) -> dict[str
     }
 
 
-def parse_request(raw: bytes, kind: type[_Body]) -> Any:
+def parse_request(raw: bytes, kind: type[StrictBody]) -> Any:
     """The request body as `kind`, or ApiError(400) naming the field at fault."""
     try:
         data = json.loads(raw, parse_constant=_not_json)

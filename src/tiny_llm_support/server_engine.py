@@ -135,23 +135,28 @@ class EngineClient:
 
     # --- requests (on the event loop) --------------------------------------------------------
 
-    def submit(self, channel: Channel) -> None:
-        """Send a request to the engine; its channel receives Accepted or an ApiError. A 503
-        while the engine is not running, a 429 past max_waiting, raised here at once. A score
-        channel's prompt is scored between two steps (it takes no slot: no max_waiting); it
-        receives Scored or an ApiError."""
+    def submit(self, *channels: Channel) -> None:
+        """Send a request to the engine, or with several channels (one prompt, one
+        SamplingParams) that many answers to it, added by one command (Engine.add_choices);
+        each channel receives Accepted or an ApiError. A 503 while the engine is not running,
+        a 429 past max_waiting, raised here at once. A score channel's prompt is scored between
+        two steps (it takes no slot: no max_waiting); it receives Scored or an ApiError."""
         if self.state != "ok":
             raise _unavailable(self.state)
-        channel.key = next(self._keys)
-        if channel.score is not None:
-            self._channels[channel.key] = channel
-            self._engine.outbox.put(("score", channel.key, channel.prompt, channel.score))
+        first = channels[0]
+        if first.score is not None:
+            first.key = next(self._keys)
+            self._channels[first.key] = first
+            self._engine.outbox.put(("score", first.key, first.prompt, first.score))
             return
-        if self._would_wait_too_long():
+        if self._would_wait_too_long(len(channels)):
             self.refused_busy += 1
             raise _busy(self._max_waiting)
-        self._channels[channel.key] = channel
-        self._engine.outbox.put(("add", channel.key, channel.prompt, channel.params))
+        for channel in channels:
+            channel.key = next(self._keys)
+            self._channels[channel.key] = channel
+        keys = [channel.key for channel in channels]
+        self._engine.outbox.put(("add", keys, first.prompt, first.params))
 
     def cancel(self, channel: Channel) -> None:
         """Abort a request (its client is gone); nothing happens once it has finished. (A
@@ -175,12 +180,12 @@ class EngineClient:
     def unsubscribe(self, subscriber: Subscriber) -> None:
         self._subscribers.discard(subscriber)
 
-    def _would_wait_too_long(self) -> bool:
-        """Whether one more request would leave more than max_waiting without a slot."""
+    def _would_wait_too_long(self, more: int) -> bool:
+        """Whether `more` requests would leave more than max_waiting without a slot."""
         if self._max_waiting is None:
             return False
         requests = sum(c.score is None for c in self._channels.values())
-        return requests + 1 - self._batch_size > self._max_waiting
+        return requests + more - self._batch_size > self._max_waiting
 
     # --- what the engine sends (on the event loop) -------------------------------------------
 

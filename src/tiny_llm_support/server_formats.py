@@ -125,11 +125,14 @@ def logprob_writer(kind: str, texts: TokenTexts):
 # --- response_format ------------------------------------------------------------------------
 
 
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)  # as server_api's bodies
+class StrictBody(BaseModel):
+    """Every request body's part: strict ("1" is not a number) and an unknown field is an
+    error (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
-class JsonSchemaFormat(_Body):
+class JsonSchemaFormat(StrictBody):
     """response_format's json_schema: the schema the answer must fit (OpenAI's fields)."""
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
@@ -145,7 +148,7 @@ class JsonSchemaFormat(_Body):
         return schema
 
 
-class ResponseFormat(_Body):
+class ResponseFormat(StrictBody):
     """{"type": "text"} (free text), "json_object" (any JSON object) or "json_schema"."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -173,25 +176,34 @@ class SchemaError(ValueError):
 
 
 class Grammars:
-    """response_format -> the llguidance grammar of SamplingParams.grammar, compiled once per
-    distinct schema: an LRU of GRAMMARS_CACHED, keyed by the schema's JSON with its key order
-    kept (the order of `properties` is the order in which the answer writes them). A schema
-    that does not compile is remembered too."""
+    """response_format and tools -> the llguidance grammar of SamplingParams.grammar, compiled
+    once per distinct schema or Lark grammar: an LRU of GRAMMARS_CACHED, keyed by the schema's
+    JSON with its key order kept (the order of `properties` is the order in which the answer
+    writes them) or by the Lark text. One that does not compile is remembered too."""
 
     def __init__(self, texts: TokenTexts, size: int = GRAMMARS_CACHED) -> None:
         self.texts, self.size = texts, size
         self._cache: OrderedDict[str, tuple[str | None, str | None]] = OrderedDict()
-        self.compiled = 0  # schemas compiled (a cache miss each)
+        self.compiled = 0  # schemas and grammars compiled (a cache miss each)
 
     async def grammar(self, response_format: ResponseFormat | None) -> str | None:
-        """The grammar (None for free text), or SchemaError. Compiling runs off the loop."""
+        """response_format's grammar (None for free text), or SchemaError."""
         schema = None if response_format is None else response_format.wanted_schema()
-        if schema is None:
-            return None
-        key = json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        return None if schema is None else await self.schema(schema)
+
+    async def schema(self, schema: dict[str, Any]) -> str:
+        """The grammar of a JSON schema, or SchemaError. Compiling runs off the loop."""
+        key = "json:" + json.dumps(schema, ensure_ascii=False, separators=(",", ":"))
+        return await self._cached(key, self._compile, schema)
+
+    async def lark(self, text: str) -> str:
+        """The grammar of a Lark grammar (llguidance's dialect: %json inside), or SchemaError."""
+        return await self._cached("lark:" + text, self._compile_lark, text)
+
+    async def _cached(self, key: str, compile: Any, source: Any) -> str:
         hit = self._cache.get(key)
         if hit is None:
-            hit = await asyncio.to_thread(self._compile, schema)
+            hit = await asyncio.to_thread(compile, source)
             self._cache[key] = hit
             while len(self._cache) > self.size:
                 self._cache.popitem(last=False)
@@ -203,14 +215,38 @@ class Grammars:
 
     def _compile(self, schema: dict[str, Any]) -> tuple[str | None, str | None]:
         """(grammar, None), or (None, why llguidance refuses it)."""
-        self.compiled += 1
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
+        except Exception as e:  # llguidance's own checks raise, some of them
+            self.compiled += 1
+            return None, f"the JSON schema cannot be followed: {' '.join(str(e).split())}"
+        return self._validate(grammar, "the JSON schema cannot be followed: ", _one_line)
+
+    def _compile_lark(self, text: str) -> tuple[str | None, str | None]:
+        try:
+            grammar = llguidance.LLMatcher.grammar_from_lark(text)
+        except Exception as e:
+            self.compiled += 1
+            return None, f"the grammar does not compile: {' '.join(str(e).split())}"
+        # a Lark grammar's message quotes the grammar after its first line
+        return self._validate(grammar, "", _first_line)
+
+    def _validate(self, grammar: str, prefix: str, brief: Any) -> tuple[str | None, str | None]:
+        self.compiled += 1
+        try:
             failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
                 grammar, self.texts.llg()
             )
-        except Exception as e:  # llguidance's own checks raise, some of them
-            return None, f"the JSON schema cannot be followed: {' '.join(str(e).split())}"
+        except Exception as e:
+            return None, prefix + " ".join(str(e).split())
         if failed:
-            return None, "the JSON schema cannot be followed: " + "; ".join(messages)
+            return None, prefix + "; ".join(brief(m) for m in messages)
         return grammar, None
+
+
+def _one_line(message: str) -> str:
+    return " ".join(message.split())
+
+
+def _first_line(message: str) -> str:
+    return (message.strip().splitlines() or [""])[0]

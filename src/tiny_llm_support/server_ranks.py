@@ -33,9 +33,9 @@ def broadcast(group: mx.distributed.Group, ops: list | None) -> list:
     return json.loads(np.array(total).astype(np.uint8).tobytes())
 
 
-def add_op(prompt: list[int], params: Any) -> list:
-    """The operation that adds a request, as JSON can carry it."""
-    return ["add", list(prompt), dataclasses.asdict(params)]
+def add_op(prompt: list[int], params: Any, n: int = 1) -> list:
+    """The operation that adds a request (or n answers to one prompt), as JSON can carry it."""
+    return ["add", list(prompt), dataclasses.asdict(params), n]
 
 
 def with_seed(params: Any) -> Any:
@@ -62,7 +62,10 @@ def apply(engine: Any, op: list, params_class: type) -> None:
         return
     settings = op[2] | {"stop": tuple(op[2]["stop"])}
     try:
-        engine.add_request(op[1], params_class(**settings))
+        if op[3] == 1:
+            engine.add_request(op[1], params_class(**settings))
+        else:
+            engine.add_choices(op[1], params_class(**settings), op[3])
     except Exception:
         pass
 

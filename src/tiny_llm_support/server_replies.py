@@ -33,14 +33,15 @@ class Reply:
         self.id = self.id or f"{prefix}-{uuid.uuid4().hex}"
 
     def response(
-        self, choices: list[tuple[str, str, dict | None]], usage: dict[str, Any]
+        self, choices: list[tuple[str | None, str, dict | None, list[dict]]], usage: dict[str, Any]
     ) -> dict[str, Any]:
-        """The whole answer of a request that did not stream: (text, finish_reason, logprobs)
-        of each choice."""
+        """The whole answer of a request that did not stream: (text, finish_reason, logprobs,
+        tool calls) of each choice (a chat message's content is None when it only calls)."""
         out = []
-        for index, (text, finish_reason, logprobs) in enumerate(choices):
+        for index, (text, finish_reason, logprobs, calls) in enumerate(choices):
             if self.kind == "chat":
-                choice = {"message": {"role": "assistant", "content": text}}
+                message = {"role": "assistant", "content": text}
+                choice = {"message": message | ({"tool_calls": calls} if calls else {})}
             else:
                 choice = {"text": text}
             out.append(
@@ -55,14 +56,17 @@ class Reply:
         first: bool = False,
         index: int = 0,
         logprobs: dict | None = None,
+        tool_calls: list[dict] | None = None,
     ) -> dict[str, Any]:
-        """One stream chunk of choice `index`: new text (and the logprobs of its tokens), or
-        the finish reason (a chat chunk carries the role once, in the first chunk, and an empty
-        delta with the finish reason)."""
+        """One stream chunk of choice `index`: new text (and the logprobs of its tokens) and
+        the tool calls that closed, or the finish reason (a chat chunk carries the role once, in
+        the choice's first chunk, and an empty delta with the finish reason)."""
         if self.kind == "chat":
             delta = {"role": "assistant", "content": ""} if first else {}
             if text or logprobs is not None:
                 delta["content"] = text
+            if tool_calls:
+                delta["tool_calls"] = tool_calls
             choice = {"delta": delta}
         else:
             choice = {"text": text}

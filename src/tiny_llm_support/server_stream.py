@@ -1,7 +1,8 @@
 """From the engine's outputs to OpenAI's answers (serve.py): the outputs of the requests of one
 response, merged in the order they come, as one JSON object or as server-sent events. Choices
 keeps what each choice has said: an echoed prompt first (completions' echo), then its outputs,
-with their logprob entries when asked for."""
+with their logprob entries when asked for, and with tools, the calls in its text
+(server_tool_calls)."""
 
 from __future__ import annotations
 
@@ -15,20 +16,34 @@ from typing import Any
 from .server_api import ApiError
 from .server_channels import Channel
 from .server_replies import Reply, sse, usage
+from .server_tool_calls import ToolCallParser, finish_reason, without_index
 
 
 class Choices:
-    """The choices of one response, one per prompt, as their outputs come. `write`: entries and
-    a text offset -> (the logprobs object of those tokens, the offset after them), chat's or
-    completions' (server_formats); None when the request did not ask for logprobs."""
+    """The choices of one response, n per prompt (choice p * n + j is answer j to prompt p, as
+    OpenAI numbers them), as their outputs come. `write`: entries and a text offset -> (the
+    logprobs object of those tokens, the offset after them), chat's or completions'
+    (server_formats); None when the request did not ask for logprobs. `tools`: the names of
+    the functions whose calls are parsed out of the text; None: the text is all content."""
 
-    def __init__(self, prompts: list[list[int]], write: Callable | None) -> None:
-        self.prompts, self.write = prompts, write
-        self.echoed: list[tuple[str, list] | None] = [None] * len(prompts)
-        self.texts: list[list[str]] = [[] for _ in prompts]
-        self.entries: list[list] = [[] for _ in prompts]
-        self.offsets = [0] * len(prompts)  # completions' text_offset of each choice's next token
-        self.last: list[Any] = [None] * len(prompts)
+    def __init__(
+        self,
+        prompts: list[list[int]],
+        write: Callable | None,
+        n: int = 1,
+        tools: list[str] | None = None,
+    ) -> None:
+        self.prompts, self.write, self.n, self.tools = prompts, write, n, tools
+        count = len(prompts) * n
+        self.echoed: list[tuple[str, list] | None] = [None] * count
+        self.texts: list[list[str]] = [[] for _ in range(count)]
+        self.entries: list[list] = [[] for _ in range(count)]
+        self.offsets = [0] * count  # completions' text_offset of each choice's next token
+        self.last: list[Any] = [None] * count
+        self.parsers = None if tools is None else [ToolCallParser(tools) for _ in range(count)]
+
+    def __len__(self) -> int:
+        return len(self.last)
 
     def echo(self, i: int, text: str, entries: list) -> None:
         """Choice i starts with its prompt: its text, and its tokens' entries."""
@@ -51,26 +66,42 @@ class Choices:
         logprobs, self.offsets[i] = self.write(entries, self.offsets[i])
         return logprobs
 
-    def finish_reason(self, i: int) -> str:
-        """The last output's, or "length" for a choice that generated nothing (max_tokens 0)."""
-        return "length" if self.last[i] is None else self.last[i].finish_reason
+    def split(self, i: int, text: str, final: bool) -> tuple[str, list[dict]]:
+        """A stream's new text of choice i -> (the content that may be sent now, the tool
+        calls that closed); at its `final` output, what was held back too."""
+        if self.parsers is None:
+            return text, []
+        content, calls = self.parsers[i].feed(text)
+        return content + (self.parsers[i].finish() if final else ""), calls
 
-    def whole(self) -> list[tuple[str, str, dict | None]]:
-        """(text, finish_reason, logprobs) of each choice, at the end."""
-        logprobs = lambda i: None if self.write is None else self.write(self.entries[i], 0)[0]
-        return [
-            ("".join(self.texts[i]), self.finish_reason(i), logprobs(i))
-            for i in range(len(self.prompts))
-        ]
+    def finish_reason(self, i: int) -> str:
+        """The last output's ("tool_calls" if it stopped after calls), or "length" for a
+        choice that generated nothing (max_tokens 0)."""
+        reason = "length" if self.last[i] is None else self.last[i].finish_reason
+        return reason if self.parsers is None else finish_reason(reason, self.parsers[i].calls)
+
+    def whole(self) -> list[tuple[str | None, str, dict | None, list[dict]]]:
+        """(content, finish_reason, logprobs, tool calls) of each choice, at the end."""
+        out = []
+        for i in range(len(self)):
+            text, reason, calls = "".join(self.texts[i]), self.finish_reason(i), []
+            if self.tools is not None:
+                text, calls = ToolCallParser(self.tools).parse(text)
+                reason, calls = finish_reason(reason, len(calls)), list(map(without_index, calls))
+            logprobs = None if self.write is None else self.write(self.entries[i], 0)[0]
+            out.append((text, reason, logprobs, calls))
+        return out
 
     def usage(self) -> dict[str, Any]:
         """The counts of each choice's last output, added up (a choice that generated
-        nothing: its prompt alone)."""
+        nothing: its prompt alone); each prompt counts once however many answers it has, and
+        its cached tokens are those of its first answer (the others start from its pages)."""
         last = [o for o in self.last if o is not None]
+        firsts = [o for o in self.last[:: self.n] if o is not None]
         return usage(
             sum(len(p) for p in self.prompts),
             sum(o.completion_tokens for o in last),
-            sum(o.cached_tokens for o in last),
+            sum(o.cached_tokens for o in firsts),
         )
 
 
@@ -127,7 +158,8 @@ async def sse_events(channels: list[Channel], reply: Reply, choices: Choices) ->
     one with the finish reason for each choice, the usage if asked for, then [DONE]. A failure
     half way ends the stream with an error object, as OpenAI's does."""
     if reply.kind == "chat":
-        yield sse(reply.chunk(first=True))
+        for i in range(len(choices)):
+            yield sse(reply.chunk(first=True, index=i))
     stamp = stamping()
     try:
         for i, echoed in enumerate(choices.echoed):
@@ -137,13 +169,16 @@ async def sse_events(channels: list[Channel], reply: Reply, choices: Choices) ->
                 yield sse(reply.chunk(finish_reason="length", index=i))
         async for i, output in indexed(channels):
             entries = choices.add(i, output)
-            if output.text or entries:
-                chunk = reply.chunk(output.text, index=i, logprobs=choices.piece(i, entries))
+            final = output.finish_reason is not None
+            text, calls = choices.split(i, output.text, final)
+            if text or entries or calls:
+                logprobs = choices.piece(i, entries)
+                chunk = reply.chunk(text, index=i, logprobs=logprobs, tool_calls=calls)
                 if stamp:
                     chunk["tiny_llm_sampled_at"] = output.sampled_at
                 yield sse(chunk)
-            if output.finish_reason is not None:
-                yield sse(reply.chunk(finish_reason=output.finish_reason, index=i))
+            if final:
+                yield sse(reply.chunk(finish_reason=choices.finish_reason(i), index=i))
         if reply.include_usage:
             yield sse(reply.usage_chunk(choices.usage()))
     except ApiError as e:
