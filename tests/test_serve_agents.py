@@ -319,6 +319,44 @@ def test_json_schema_answers_validate_batched_with_free_text(server):
     )
 
 
+def test_json_schema_answers_with_speculation_on(server, tmp_path):
+    """serve --speculative ngram: guesses the grammar forbids are dropped and each checked row
+    is masked as the grammar stands after the guesses before it, so every answer still fits
+    its schema, and a greedy one is the plain server's, token for token."""
+    flags = (*ENGINE_FLAGS, *PAGED_FLAGS, "--speculative", "ngram", "--num-draft-tokens", "4")
+    speculating = Server(tmp_path, *flags)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(2 * len(SCHEMAS)) as pool:
+            runs = {
+                (name, seed): pool.submit(ask, speculating, json_schema(name), seed)
+                for name in SCHEMAS
+                for seed in (None, 7)
+            }
+            answers = {job: run.result() for job, run in runs.items()}
+        metrics = speculating.metrics()
+    finally:
+        speculating.stop()
+    for (name, seed), (text, finish) in answers.items():
+        what = f"with speculation, schema {name!r}, {'greedy' if seed is None else f'seed {seed}'}"
+        assert finish == "stop", f"{what}: finished with {finish!r}, text {text!r}"
+        try:
+            jsonschema.validate(json.loads(text), SCHEMAS[name])
+        except (ValueError, jsonschema.ValidationError) as e:
+            raise AssertionError(
+                f"{what}: {text!r} does not fit its schema: a guess the grammar forbids was "
+                f"kept, or a checked row was masked as the grammar stood before the pass: {e}"
+            ) from None
+        if seed is None:
+            plain = ask(server, json_schema(name))
+            assert (text, finish) == plain, (
+                f"{what}: {text!r}, without speculation {plain[0]!r}: speculation must never "
+                "change a greedy answer, under a grammar too"
+            )
+    assert metrics.get("tiny_llm_spec_tokens_accepted_total", 0) > 0, (
+        "no guess was kept under a grammar: the speculating server never sped anything up (setup)"
+    )
+
+
 def test_forbidden_tokens_go_on_the_wire_as_minus_9999(server):
     """Under a grammar the first token can only be '{': every other token's logprob is -inf,
     which JSON cannot carry."""
