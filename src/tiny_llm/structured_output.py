@@ -15,24 +15,16 @@ every token the request accepts, and speculative decoding's guesses checked by t
 before the model checks them.
 """
 
-import functools
-
 import llguidance
 import mlx.core as mx
 import numpy as np
 
 from tiny_llm_support import Tokenizer
+from tiny_llm_support.tokenizer import grammar_tokenizer
 
 
 class GrammarError(ValueError):
     """A grammar llguidance cannot compile, or a token it does not allow."""
-
-
-@functools.cache
-def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
-    """llguidance's view of the model's tokenizer (about a second to build, so once per
-    tokenizer): every token's bytes, and the EOS token a complete grammar allows."""
-    return llguidance.LLTokenizer(tokenizer.hf_tokenizer.to_str(), eos_token=tokenizer.eos_token_id)
 
 
 class Grammar:
@@ -41,11 +33,12 @@ class Grammar:
     width, which may exceed the tokenizer's (padding rows no grammar allows)."""
 
     def __init__(self, tokenizer: Tokenizer, grammar: str, vocab_size: int):
-        self.matcher = llguidance.LLMatcher(grammar_tokenizer(tokenizer), grammar)
+        llg = grammar_tokenizer(tokenizer)  # llguidance's view of the tokenizer, built once
+        self.matcher = llguidance.LLMatcher(llg, grammar)
         if self.matcher.is_error():
             raise GrammarError(f"the grammar does not compile: {self.matcher.get_error()}")
         self.vocab_size = vocab_size
-        self.eos_token = grammar_tokenizer(tokenizer).eos_token  # the EOS a complete grammar allows
+        self.eos_token = llg.eos_token  # the EOS a complete grammar allows
 
     def allowed(self) -> mx.array:
         """[V] bool: the tokens that may come next."""

@@ -155,8 +155,8 @@ class Engine:
         answers differ). Without sharing pools each answer prefills the prompt itself."""
         if not 1 <= n <= MAX_CHOICES:
             raise ValueError(f"n must be in 1 .. {MAX_CHOICES}, got {n}")
-        params.check()
-        self.check_prompt(prompt, self.next_id)  # every check before the first request is queued
+        # the first answer's add_request checks the prompt and params before anything is
+        # queued, and every other answer differs from it only by a valid seed
         seed = lambda i: None if params.seed is None else (params.seed + i) % 2**64
         ids = [self.add_request(prompt, replace(params, seed=seed(i))) for i in range(n)]
         first = self.streams[ids[0]].request

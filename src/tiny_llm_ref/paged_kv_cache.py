@@ -130,8 +130,8 @@ class TinyKvPagedPool:
 
     def copy_page(self, source: int, target: int) -> None:
         """Page `target` gets page `source`'s contents, every storage array of it (Week 4 Day 8)."""
-        self.key_pages[target] = self.key_pages[source]
-        self.value_pages[target] = self.value_pages[source]
+        for array in self.storage:  # a slice update changes the pool's own array
+            array[target] = array[source]
 
     def free(self, page: int) -> None:
         # BEGIN TASK Week 2 Day 2, Task 1: return a page to the free list

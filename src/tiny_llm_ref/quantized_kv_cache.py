@@ -130,12 +130,6 @@ class TinyKvQuantizedPagedPool(TinyKvPagedPool):
         self.value_scales = grown(self.value_scales, capacity)
         self.value_biases = grown(self.value_biases, capacity)
 
-    def copy_page(self, source: int, target: int) -> None:
-        super().copy_page(source, target)  # the codes
-        for name in ("key_scales", "key_biases", "value_scales", "value_biases"):
-            array = getattr(self, name)
-            array[target] = array[source]
-
     def write(self, page: int, start: int, key: mx.array, value: mx.array) -> None:
         """Quantize key/value [H_kv, n, D] row by row and store them at slots start .. start + n
         of one page."""

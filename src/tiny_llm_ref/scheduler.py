@@ -96,7 +96,8 @@ class Scheduler:
         while its parent prefills the prompt, then starts from the parent's pages."""
         if self.pending:
             request = self.pending[0]
-            if self.holds(request.fork_of) and not request.fork_of.is_prefill_done:
+            parent = request.fork_of
+            if parent is not None and not parent.is_prefill_done and self.holds(parent):
                 return None
             alone = self.prefilling is None and not any(self.slots)  # headroom is for others
             if not alone and not can_admit(
@@ -126,10 +127,9 @@ class Scheduler:
             return request
         return None
 
-    def holds(self, request: Request | None) -> bool:
+    def holds(self, request: Request) -> bool:
         """Whether `request` is waiting, being prefilled or in a slot."""
-        queued = [*self.pending, self.prefilling, *self.slots]
-        return request is not None and any(r is request for r in queued)
+        return any(r is request for r in [*self.pending, self.prefilling, *self.slots])
 
     def reserved(self, request: Request) -> int:
         """Pages an admission must leave free: those owed to prompts being prefilled and, when

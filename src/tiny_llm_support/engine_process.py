@@ -239,10 +239,7 @@ class EngineLoop:
         op = [add_op(prompt, params, len(keys))]
         first = getattr(self.engine, "next_id", None)
         try:
-            if len(keys) == 1:
-                rids = [self.engine.add_request(prompt, params)]
-            else:
-                rids = self.engine.add_choices(prompt, params, len(keys))
+            rids = self.engine.add_choices(prompt, params, len(keys))  # n = 1: add_request
         except ValueError as e:  # what only the engine can check; it allocated nothing
             for key in keys:
                 self.send("refused", key, 400, str(e))

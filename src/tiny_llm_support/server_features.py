@@ -85,9 +85,13 @@ def _stand_in_grammar() -> Any:
 
 
 def _stand_in_cache() -> Any:
-    """A paged cache over a pool with no free page: copy on write gives up at once."""
-    pool = SimpleNamespace(can_allocate=lambda n: False, page_size=2, refs={})
+    """A paged cache over a pool with no free page: copy on write stops at its allocation."""
+    pool = SimpleNamespace(allocate=_no_free_page, page_size=2, refs={})
     return SimpleNamespace(pool=pool, page_table=[0], _offset=1)
+
+
+def _no_free_page() -> int:
+    raise RuntimeError("the stand-in pool has no free page")
 
 
 def _stand_in_fork() -> Any:

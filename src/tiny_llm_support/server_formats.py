@@ -24,6 +24,8 @@ from typing import Any, Literal
 import llguidance
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from .tokenizer import grammar_tokenizer
+
 # JSON has no -inf, the logprob of a token a grammar forbids: such a logprob goes on the wire as
 # -9999.0, as vLLM sends it (and OpenAI's own floor).
 LOGPROB_FLOOR = -9999.0
@@ -51,8 +53,7 @@ class TokenTexts:
     def llg(self) -> llguidance.LLTokenizer:
         with self._lock:
             if self._llg is None:
-                hf = self.tokenizer.hf_tokenizer.to_str()
-                self._llg = llguidance.LLTokenizer(hf, eos_token=self.tokenizer.eos_token_id)
+                self._llg = grammar_tokenizer(self.tokenizer)  # the engine's own view of it
             return self._llg
 
     async def ready(self) -> None:

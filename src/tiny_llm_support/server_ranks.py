@@ -62,10 +62,7 @@ def apply(engine: Any, op: list, params_class: type) -> None:
         return
     settings = op[2] | {"stop": tuple(op[2]["stop"])}
     try:
-        if op[3] == 1:
-            engine.add_request(op[1], params_class(**settings))
-        else:
-            engine.add_choices(op[1], params_class(**settings), op[3])
+        engine.add_choices(op[1], params_class(**settings), op[3])  # as rank 0 added it
     except Exception:
         pass
 

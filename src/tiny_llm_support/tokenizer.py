@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 import time
@@ -10,6 +11,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+import llguidance
 import tokenizers
 from jinja2 import TemplateError
 from jinja2.exceptions import SecurityError
@@ -210,6 +212,14 @@ class StreamingDetokenizer:
         self._context_start = self._pending_start
         self._pending_start = len(self.tokens)
         return segment
+
+
+@functools.cache
+def grammar_tokenizer(tokenizer: Tokenizer) -> llguidance.LLTokenizer:
+    """llguidance's view of the tokenizer (Week 4 Day 8), built once per tokenizer (about a
+    second for a real vocabulary): every token's bytes, and the EOS token a complete grammar
+    allows. The engine's grammars and the server's checks of them both use this one."""
+    return llguidance.LLTokenizer(tokenizer.hf_tokenizer.to_str(), eos_token=tokenizer.eos_token_id)
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
