@@ -27,8 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 SRC = ROOT / "src"
 DAY_FILE = re.compile(r"test_week_(\d+)_day_(\d+)\.py$")
-TASK_MESSAGE = re.compile(r"NotImplementedError: Week \d+ Day \d+, Task \d+")
-BEGIN, END = "# BEGIN TASK ", "# END TASK"
+# a Python stub raises NotImplementedError; a C++ one (Week 5) throws, and MLX raises its message
+TASK_MESSAGE = re.compile(r"(NotImplementedError|RuntimeError): Week \d+ Day \d+, Task \d+")
+MARK_BEGIN, MARK_END = (
+    "BEGIN TASK ",
+    "END TASK",
+)  # after the comment mark: `# BEGIN TASK`, `// BEGIN TASK`
+SOURCES = ("*.py", "csrc/*")  # a package's modules, and Week 5's C++ sources
 TASK_TEXT = re.compile(r"Week \d+ Day \d+, Task \d+\b[^\"\\]*: [^\"\\]+$")
 LINE_LENGTH = 100  # ruff's line-length: a longer raise line is wrapped the way ruff format does
 
@@ -77,35 +82,39 @@ def skeleton_module(text: str, where: str, stub=lambda task: True) -> tuple[str,
     """The student version of one reference module, and the task texts it marks.
 
     Lines between `# BEGIN TASK <text>` and `# END TASK` become one
-    `raise NotImplementedError("<text>")` at the marker's indentation; every other line is
-    copied, with the package name tiny_llm_ref rewritten to tiny_llm. A task for which
+    `raise NotImplementedError("<text>")` at the marker's indentation (in C++, between
+    `// BEGIN TASK` and `// END TASK`, one `throw std::runtime_error("<text>");`); every other
+    line is copied, with the package name tiny_llm_ref rewritten to tiny_llm. A task for which
     stub(text) is false keeps its reference lines (check-course stubs one task at a time).
     """
+    cpp = where.endswith((".cpp", ".h"))
+    comment, stub_line = ("// ", throw_line) if cpp else ("# ", raise_line)
+    begin, end = comment + MARK_BEGIN, comment + MARK_END
     out, tasks, body = [], [], []
     open_at = None  # (line number, indentation, text) of the marker being skipped
     for number, line in enumerate(text.splitlines(keepends=True), start=1):
         stripped = line.strip()
         indent = line[: len(line) - len(line.lstrip())]
-        if stripped.startswith(BEGIN.strip()):
+        if stripped.startswith(begin.strip()):
             if open_at is not None:
                 raise MarkerError(
                     f"{where}:{number}: BEGIN TASK inside the task opened at line {open_at[0]}"
                 )
-            task = stripped[len(BEGIN) :].strip() if stripped.startswith(BEGIN) else ""
+            task = stripped[len(begin) :].strip() if stripped.startswith(begin) else ""
             if not TASK_TEXT.match(task):
                 raise MarkerError(
                     f"{where}:{number}: a task marker needs the text 'Week W Day D, Task N: what to "
                     f"write' (no quotes or backslashes), got {task!r}"
                 )
             open_at = (number, indent, task)
-        elif stripped == END:
+        elif stripped == end:
             if open_at is None:
                 raise MarkerError(f"{where}:{number}: END TASK without a BEGIN TASK")
             if indent != open_at[1]:
                 raise MarkerError(
                     f"{where}:{number}: END TASK is not indented like its BEGIN at line {open_at[0]}"
                 )
-            out += [raise_line(open_at[1], open_at[2])] if stub(open_at[2]) else body
+            out += [stub_line(open_at[1], open_at[2])] if stub(open_at[2]) else body
             tasks.append(open_at[2])
             open_at, body = None, []
         elif open_at is None:
@@ -124,12 +133,28 @@ def raise_line(indent: str, task: str) -> str:
     return f'{indent}raise NotImplementedError(\n{indent}    "{task}"\n{indent})\n'
 
 
+def throw_line(indent: str, task: str) -> str:
+    return f'{indent}throw std::runtime_error("{task}");\n'
+
+
+def package_files(package: Path) -> list[Path]:
+    return sorted(p for pattern in SOURCES for p in package.glob(pattern) if p.is_file())
+
+
+def write_package(files: dict[str, str], target: Path, names=None) -> None:
+    """Write `files` (path in the package -> text), or only those in `names`, under target."""
+    for name in files if names is None else names:
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        (target / name).write_text(files[name], encoding="utf-8")
+
+
 def generate_skeleton(stub=lambda task: True) -> dict[str, str]:
     """file name -> text of every module of the student package, from the reference."""
     files, seen = {}, {}
-    for path in sorted((SRC / "tiny_llm_ref").glob("*.py")):
+    for path in package_files(SRC / "tiny_llm_ref"):
         where = path.relative_to(ROOT).as_posix()
-        files[path.name], tasks = skeleton_module(path.read_text(encoding="utf-8"), where, stub)
+        name = path.relative_to(SRC / "tiny_llm_ref").as_posix()
+        files[name], tasks = skeleton_module(path.read_text(encoding="utf-8"), where, stub)
         for task in tasks:
             if task in seen:
                 raise MarkerError(f"{where}: task text {task!r} is also used in {seen[task]}")
@@ -143,13 +168,13 @@ def cmd_make_skeleton(args: argparse.Namespace) -> int:
     except MarkerError as e:
         sys.exit(f"error: {e}")
     target = SRC / "tiny_llm"
-    for stale in set(p.name for p in target.glob("*.py")) - set(files):
+    for stale in set(p.relative_to(target).as_posix() for p in package_files(target)) - set(files):
         (target / stale).unlink()
         print(f"removed src/tiny_llm/{stale}")
     for name, text in files.items():
         path = target / name
         if not path.exists() or path.read_text(encoding="utf-8") != text:
-            path.write_text(text, encoding="utf-8")
+            write_package(files, target, [name])
             print(f"wrote src/tiny_llm/{name}")
     print(
         f"make-skeleton: src/tiny_llm/ holds {len(files)} modules generated from src/tiny_llm_ref/"
@@ -182,8 +207,7 @@ def cmd_start_at(args: argparse.Namespace) -> int:
             )
         print("start-at: nothing written", file=sys.stderr)
         return 1
-    for name in to_write:
-        (target / name).write_text(wanted[name], encoding="utf-8")
+    write_package(wanted, target, to_write)
     print(f"start-at {args.week}.{args.day}: the tasks of every day before it hold the reference's")
     print(
         f"code, the rest are stubs; {len(to_write)} modules written: {', '.join(to_write) or '-'}"
@@ -199,7 +223,9 @@ def check_skeleton_is_generated() -> tuple[list[str], list[str]]:
     except MarkerError as e:
         return [str(e)], []
     problems = []
-    committed = {p.name for p in (SRC / "tiny_llm").glob("*.py")}
+    committed = {
+        p.relative_to(SRC / "tiny_llm").as_posix() for p in package_files(SRC / "tiny_llm")
+    }
     for name in sorted(committed - set(files)):
         problems.append(f"src/tiny_llm/{name} has no reference module in src/tiny_llm_ref/")
     for name, want in files.items():
@@ -218,9 +244,8 @@ def check_skeleton_is_generated() -> tuple[list[str], list[str]]:
         else:
             if len(have) != len(want.splitlines()):
                 problems.append(f"src/tiny_llm/{name}: length differs from the generated skeleton")
-    tasks = [
-        t for text in files.values() for t in re.findall(r'NotImplementedError\(\s*"([^"]+)"', text)
-    ]
+    stubs = r'(?:NotImplementedError|runtime_error)\(\s*"([^"]+)"'
+    tasks = [t for text in files.values() for t in re.findall(stubs, text)]
     return problems, tasks
 
 
@@ -394,9 +419,7 @@ def check_each_task_is_tested(days: dict, workdir: Path, tasks: list[str]) -> li
         if not paths:
             continue
         package = workdir / f"one-task-{number}"
-        (package / "tiny_llm").mkdir(parents=True)
-        for name, text in generate_skeleton(stub=task.__eq__).items():
-            (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
+        write_package(generate_skeleton(stub=task.__eq__), package / "tiny_llm")
         env = {**env_with_path(package), "TINY_LLM_STOP_WHEN_NAMED": task}
         env["PYTHONPATH"] += os.pathsep + str(ROOT / "scripts")
         runs += [(path, env) for path in paths]
@@ -423,10 +446,8 @@ def check_days_in_order(days: dict, workdir: Path, tasks: list[str]) -> tuple[li
     runs = []
     for (week, day), path in days.items():
         package = workdir / f"up-to-{week}-{day}"
-        (package / "tiny_llm").mkdir(parents=True)
         solved = lambda task, until=(week, day): max(task_days(task)) <= until
-        for name, text in generate_skeleton(stub=lambda t, ok=solved: not ok(t)).items():
-            (package / "tiny_llm" / name).write_text(text, encoding="utf-8")
+        write_package(generate_skeleton(stub=lambda t, ok=solved: not ok(t)), package / "tiny_llm")
         runs.append((path, env_with_path(package)))
     problems, failed = [], {}
     for (week, day), cases in zip(days, run_days(runs, workdir)):
@@ -460,6 +481,8 @@ def check_pasted_reference(days: dict, workdir: Path) -> list[str]:
     for module in (SRC / "tiny_llm_ref").glob("*.py"):
         if module.name != "__init__.py":
             shutil.copy(module, copy / "tiny_llm" / module.name)
+    solved = generate_skeleton(stub=lambda task: False)  # C++: the reference, the module renamed
+    write_package(solved, copy / "tiny_llm", [n for n in solved if n.startswith("csrc/")])
     env = env_with_path(copy)
     problems = []
     results = run_days([(path, env) for path in days.values()], workdir)

@@ -10,14 +10,24 @@ mx.quantize writes and what mlx-community checkpoints hold: codes [O, I * bits /
 scales and biases [O, I / group_size].
 
 How the model multiplies by a quantized weight is a choice made per backend, by measurement
-(see the chapter): `quantized_linear` is one of QUANTIZED_LINEAR_PATHS.
+(see the chapter): `quantized_linear` is one of QUANTIZED_LINEAR_PATHS. "own-kernel" (Week 5
+Day 1) keeps the codes packed on the CPU and multiplies small passes with the course's own C++
+kernel, kernels.quantized_matvec.
 """
+
+import warnings
 
 import mlx.core as mx
 
 from tiny_llm_support import Checkpoint, check_quant_format
 
-QUANTIZED_LINEAR_PATHS = ("dequantize-at-load", "kernel", "dequantize-per-call")
+from .kernels import quantized_matvec
+
+QUANTIZED_LINEAR_PATHS = ("dequantize-at-load", "kernel", "dequantize-per-call", "own-kernel")
+# Passes of up to this many rows go through the own kernel; larger ones dequantize the weight
+# for the call. Measured (chapter 5.1): the kernel costs about 0.2 ms a row on a 3072 x 1024
+# weight, dequantizing it 9 ms, so the two cross near 40 rows.
+OWN_KERNEL_MAX_ROWS = 32
 
 
 def quantize(
@@ -44,7 +54,8 @@ class QuantizedWeight:
     """A weight [O, I] kept in the affine format, standing in for the float array where the
     model uses one: `linear(x, w)` multiplies by it and `w[ids]` looks up rows (a quantized
     embedding). kernel=True multiplies with mx.quantized_matmul, MLX's fused kernel;
-    kernel=False dequantizes the whole weight for every call and multiplies in float."""
+    kernel=False dequantizes the whole weight for every call and multiplies in float;
+    own_kernel=True (Week 5 Day 1) uses the course's C++ kernel for small passes."""
 
     def __init__(
         self,
@@ -54,10 +65,12 @@ class QuantizedWeight:
         group_size: int = 64,
         bits: int = 4,
         kernel: bool = True,
+        own_kernel: bool = False,
     ):
         check_quant_format(group_size, bits, "QuantizedWeight")
         self.codes, self.scales, self.biases = codes, scales, biases
         self.group_size, self.bits, self.kernel = group_size, bits, kernel
+        self.own_kernel = own_kernel
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -77,8 +90,17 @@ class QuantizedWeight:
 
     def linear(self, x: mx.array) -> mx.array:
         """x [..., I] -> x @ W.T [..., O]."""
+        if self.own_kernel:
+            return self.own_kernel_linear(x)
         raise NotImplementedError(
             "Week 4 Day 1, Task 3: multiply by a quantized weight, with or without the kernel"
+        )
+
+    def own_kernel_linear(self, x: mx.array) -> mx.array:
+        """x [..., I] -> x @ W.T [..., O], the codes left packed: a pass of at most
+        OWN_KERNEL_MAX_ROWS rows through quantized_matvec, a larger one in float."""
+        raise NotImplementedError(
+            "Week 5 Day 1, Task 4: send small passes to quantized_matvec, dequantize for large ones"
         )
 
     def __getitem__(self, rows: mx.array) -> mx.array:
@@ -102,6 +124,13 @@ def layer_weights(
     path = quantized_linear or default_quantized_linear()
     if path not in QUANTIZED_LINEAR_PATHS:
         raise ValueError(f"unknown quantized_linear {path!r}: use one of {QUANTIZED_LINEAR_PATHS}")
+    if path == "own-kernel" and mx.default_device().type != mx.cpu:
+        warnings.warn(
+            "quantized_linear='own-kernel' has a CPU kernel only (Week 5 Day 1): on this device "
+            "the model uses MLX's quantized kernel ('kernel') instead",
+            stacklevel=2,
+        )
+        path = "kernel"
     weights = dict(ckpt.weights)
     built = {}  # id of the codes array -> what was made of it
     for name in list(weights):
@@ -112,7 +141,9 @@ def layer_weights(
         if id(codes) not in built:
             group_size, bits = ckpt.config.quantization.of(layer)
             scales, biases = weights[f"{layer}.scales"], weights[f"{layer}.biases"]
-            w = QuantizedWeight(codes, scales, biases, group_size, bits, path == "kernel")
+            own = path == "own-kernel" and codes.ndim == 2  # stacked experts keep MLX's kernel
+            kernel = path == "kernel" or (path == "own-kernel" and not own)
+            w = QuantizedWeight(codes, scales, biases, group_size, bits, kernel, own)
             built[id(codes)] = w.dequantize() if path == "dequantize-at-load" else w
         weights[name] = built[id(codes)]
     if path == "dequantize-at-load":

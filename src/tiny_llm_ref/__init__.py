@@ -21,6 +21,7 @@ from .flash_attention import (
 )
 from .fork import can_fork, fork_prefix
 from .generate import simple_generate, simple_generate_with_kv_cache
+from .kernels import quantized_matvec
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
 from .logprobs import TokenLogprob, prompt_logprobs, record_logprobs, token_logprobs
@@ -46,6 +47,7 @@ from .prefix_cache import (
     tokens_to_admit,
 )
 from .quantize import (
+    OWN_KERNEL_MAX_ROWS,
     QUANTIZED_LINEAR_PATHS,
     QuantizedWeight,
     default_quantized_linear,
@@ -137,6 +139,7 @@ __all__ = [
     "RequestRefused",
     "RequestOutput",
     "Engine",
+    "OWN_KERNEL_MAX_ROWS",
     "QUANTIZED_LINEAR_PATHS",
     "BatchStep",
     "BatchingKvCache",
@@ -184,6 +187,7 @@ __all__ = [
     "paged_attention",
     "prefill_query_width",
     "quantize",
+    "quantized_matvec",
     "rank_slice",
     "scaled_dot_product_attention_grouped",
     "scaled_dot_product_attention_simple",

@@ -1,0 +1,83 @@
+"""Week 5's C++ extension as built and called (the reference's): a missing tool is one line that
+names it, a bad call is refused before MLX's graph gets a node, an unchanged extension is not
+built again and a changed one is, a compile error shows the compiler's message."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+
+import tiny_llm_ref
+from tiny_llm_support import extension
+
+REFERENCE = Path(tiny_llm_ref.__file__).parent
+
+
+def test_no_compiler_is_one_line_naming_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))  # an empty folder: no c++, g++ or clang++
+    monkeypatch.delenv("CXX", raising=False)
+    with pytest.raises(extension.ExtensionBuildError) as caught:
+        extension._check_compiler()
+    message = str(caught.value)
+    assert "no C++ compiler found" in message and "\n" not in message, message
+
+
+def test_no_cmake_is_one_line_naming_it():
+    with pytest.raises(extension.ExtensionBuildError) as caught:
+        extension._tool("cmake-that-is-not-installed")
+    message = str(caught.value)
+    assert "cmake-that-is-not-installed not found" in message and "\n" not in message, message
+
+
+def parts(rows=8, cols=64, group_size=64, bits=4):
+    w = mx.random.normal((rows, cols), key=mx.random.key(0))
+    return mx.quantize(w, group_size=group_size, bits=bits)
+
+
+@pytest.mark.parametrize(
+    "call, says",
+    [
+        (lambda q, s, b: (mx.ones((1, 32)), q, s, b, 64, 4), "must end in K = 64"),
+        (lambda q, s, b: (mx.ones((1, 64)), q, s[:, :0], b, 64, 4), "scales [8, 0]"),
+        (lambda q, s, b: (mx.ones((1, 64)), q, s, b, 64, 3), "bits must be 2, 4 or 8"),
+        (lambda q, s, b: (mx.ones((1, 64)), q, s, b, 16, 4), "group_size must be 32, 64 or 128"),
+        (lambda q, s, b: (mx.ones((1, 64)), q.astype(mx.float32), s, b, 64, 4), "uint32"),
+        (lambda q, s, b: (mx.ones((1, 64), mx.float16), q, s, b, 64, 4), "x's dtype"),
+        (lambda q, s, b: (mx.ones((1, 64), mx.int32), q, s, b, 64, 4), "x must be float32"),
+    ],
+)
+def test_bad_calls_are_refused_when_the_op_is_made(call, says):
+    with pytest.raises(ValueError, match="quantized_matvec: ") as caught:
+        tiny_llm_ref.quantized_matvec(*call(*parts()))
+    assert says in str(caught.value), str(caught.value)
+
+
+def test_the_gradient_is_refused_with_the_primitives_name():
+    q, s, b = parts()
+    with pytest.raises(ValueError, match="vjp.*QuantizedMatvec"):
+        mx.eval(
+            mx.grad(lambda x: tiny_llm_ref.quantized_matvec(x, q, s, b).sum())(mx.ones((1, 64)))
+        )
+
+
+def build_in_fresh_process(package: Path) -> subprocess.CompletedProcess:
+    code = f"from pathlib import Path; from tiny_llm_support import extension; extension.load(Path({str(package)!r}))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+
+
+def test_built_once_again_when_a_source_changes_and_compile_errors_shown(tmp_path):
+    package = tmp_path / "tiny_llm_ref"  # a copy: its own build folder, beside it
+    shutil.copytree(REFERENCE / "csrc", package / "csrc")
+    first = build_in_fresh_process(package)
+    assert first.returncode == 0 and "building the C++ extension" in first.stderr, first.stderr
+    assert (tmp_path / "build" / "ext" / "tiny_llm_ref_ext" / "stamp").exists()
+    again = build_in_fresh_process(package)
+    assert again.returncode == 0 and "building" not in again.stderr, "unchanged, built again"
+    source = package / "csrc" / "quantized_matvec.cpp"
+    source.write_text(source.read_text() + "\nthis is not C++;\n")
+    broken = build_in_fresh_process(package)
+    assert broken.returncode != 0 and "building" in broken.stderr, "a changed source not rebuilt"
+    assert "failed to compile" in broken.stderr and "error" in broken.stderr, broken.stderr
