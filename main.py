@@ -71,11 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, group=None):
+def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, group=None,
+          quantized_linear=None):  # fmt: skip
     """(name of the loop, token iterator): the cached loop if it is written, else Week 1's."""
     eos = ckpt.tokenizer.eos_token_ids
     try:
-        model = package.Qwen3Model(ckpt)
+        model = package.Qwen3Model(ckpt, quantized_linear=quantized_linear)
         if group is not None:
             model.shard(group)  # tensor parallelism: Week 4 Day 2
         stream = package.simple_generate_with_kv_cache(
@@ -88,7 +89,7 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, gro
     except NotImplementedError:
         if group is not None:
             raise  # Week 1's loop has no sharded model
-        model = package.Qwen3ModelWeek1(ckpt)
+        model = package.Qwen3ModelWeek1(ckpt, quantized_linear=quantized_linear)
         loop = package.simple_generate(model, prompt_tokens, max_tokens, sampler, eos)
         return "Qwen3ModelWeek1 + simple_generate (no KV cache yet)", loop
 
@@ -145,7 +146,9 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         sampler = package.make_sampler(args.temperature, args.top_k, args.top_p, args.seed)
-        loop, stream = start(package, ckpt, prompt_tokens, sampler, max_tokens, group)
+        loop, stream = start(
+            package, ckpt, prompt_tokens, sampler, max_tokens, group, args.quantized_linear
+        )
         print(f"loop: {loop}; prompt: {len(prompt_tokens)} tokens\n")
         detok, n, t_first = tokenizer.detokenizer(), 0, None
         stop = "max tokens" if max_tokens == args.max_tokens else f"the {limit}-position limit"

@@ -20,10 +20,10 @@ import warnings
 import mlx.core as mx
 
 from tiny_llm_support import Checkpoint, check_quant_format
+from tiny_llm_support.quant_format import QUANTIZED_LINEAR_PATHS
 
 from .kernels import quantized_matvec
 
-QUANTIZED_LINEAR_PATHS = ("dequantize-at-load", "kernel", "dequantize-per-call", "own-kernel")
 # Passes of up to this many rows go through the own kernel; larger ones dequantize the weight
 # for the call. Measured (chapter 5.1): the kernel costs about 0.2 ms a row on a 3072 x 1024
 # weight, dequantizing it 9 ms, so the two cross near 40 rows.

@@ -195,9 +195,12 @@ def check_model(
 
 def build_model(package: Any, ckpt: Any, args: argparse.Namespace) -> Any:
     """The solution's Qwen3Model with these settings (compiled or not)."""
+    path = args.quantized_linear
     if args.compile:
-        return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, compiled=True)
-    return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len)
+        return package.Qwen3Model(
+            ckpt, max_seq_len=args.max_seq_len, quantized_linear=path, compiled=True
+        )
+    return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, quantized_linear=path)
 
 
 def make_pools(model: Any, args: argparse.Namespace) -> list | None:

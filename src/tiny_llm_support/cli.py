@@ -14,6 +14,7 @@ from types import ModuleType
 from .checkpoint import DTYPES
 from .device import NO_OPENBLAS_ENV, OPENBLAS_HINT, blas_info, openblas_path, reexec_with_openblas
 from .models import SHORTCUTS, resolve_model
+from .quant_format import QUANTIZED_LINEAR_PATHS
 from .startup import run as run_guarded
 
 __all__ = [
@@ -72,14 +73,22 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
-    """A parser with what the demo scripts take: --model, --solution, --device, and --tp with
-    --hostfile (tensor-parallel ranks, Week 4 Day 2; check them with ranks_problem)."""
+    """A parser with what the demo scripts take: --model, --solution, --device,
+    --quantized-linear, and --tp with --hostfile (tensor-parallel ranks, Week 4 Day 2; check
+    them with ranks_problem)."""
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=DefaultsHelpFormatter
     )
     p.add_argument("--model", default="tiny", help=MODEL_HELP)
     add_solution_argument(p)
     p.add_argument("--device", choices=DEVICES, default="auto", help="auto: the GPU if any")
+    p.add_argument(
+        "--quantized-linear",
+        choices=QUANTIZED_LINEAR_PATHS,
+        default=None,
+        help="how a quantized checkpoint's layers multiply (Week 4 Day 1; own-kernel: your C++ "
+        "kernel of Week 5 Day 1, codes kept packed; default: the faster on the device)",
+    )
     add_tp_arguments(p)
     return p
 

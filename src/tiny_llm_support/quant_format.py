@@ -12,6 +12,8 @@ from pathlib import Path
 # and these are the group sizes mx.quantize accepts.
 QUANT_BITS = (2, 4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
+# How the model multiplies by a quantized weight (Week 4 Day 1; "own-kernel": Week 5 Day 1)
+QUANTIZED_LINEAR_PATHS = ("dequantize-at-load", "kernel", "dequantize-per-call", "own-kernel")
 
 
 def check_quant_format(group_size: int, bits: int, source: str | Path) -> None:
