@@ -37,7 +37,8 @@ void matvec_plain(const Matvec<T>& p) {
 
 // ---------------------------------------------------------------------------------------------
 // The fast kernel: eight codes at a time in SIMD lanes, R weight rows per pass over x, the
-// bias taken out of the inner loop, rows shared among the cores.
+// bias taken out of the inner loop, the next rows' codes prefetched, a large product shared
+// among the cores.
 
 // Eight lanes of float or uint32: GCC and Clang compile arithmetic on these to vector
 // instructions (one AVX2 register on x86, two NEON registers on ARM).
@@ -79,12 +80,13 @@ void rows_at_once(const Matvec<T>& p, const f32x8* x, const float* xsum, int n0,
 }
 
 // Runs work(begin, end) over [0, rows) cut into one range per core (whole blocks of `block`
-// rows), the last range on this thread. A small product stays on one thread: starting one
-// costs tens of microseconds. An exception in a helper thread is thrown again here, after
-// every thread has ended (escaping a std::thread, it would end the process).
+// rows), the last range on this thread. Only a large product is shared: starting a thread
+// costs about what a layer's product takes (measured in the chapter: a decode step ran faster
+// with every layer on one thread, the head on all). An exception in a helper thread is thrown
+// again here, after every thread has ended (escaping a std::thread, it would end the process).
 template <typename F>
 void over_rows(int rows, size_t work_per_row, int block, F work) {
-  const size_t enough = 1 << 18;  // weights worth a thread of their own
+  const size_t enough = 1 << 22;  // weights worth a thread of their own
   int threads = std::max(1u, std::thread::hardware_concurrency());
   threads = std::clamp<int>(rows * work_per_row / enough, 1, threads);
   int per_thread = (rows + threads - 1) / threads;
