@@ -12,7 +12,8 @@ import sys
 from tiny_llm_support import startup
 
 BENCHMARKS = (
-    "chunked-prefill", "flash-attention", "long-context", "model", "moe", "prefix-cache",
+    "chunked-prefill", "flash-attention", "long-context", "model", "moe", "own-kernel",
+    "prefix-cache",
     "quantization", "ragged-step", "serving", "serving-overhead", "shape-stable", "speculative",
     "structured-output", "tensor-parallel", "token-delivery",
 )  # fmt: skip

@@ -223,9 +223,10 @@ void try_kernel(bool fast) {
   if (tried[fast]) {
     return;
   }
-  std::vector<float> x(32, 1.0f), scales(5, 1.0f), biases(5, 0.0f), y(5);
-  std::vector<uint32_t> codes(5 * 4, 0x76543210u);  // [5, 32 * 4 / 32] codes at 4 bits
-  Matvec<float> p{x.data(), codes.data(), scales.data(), biases.data(), y.data(), 1, 5, 32, 32, 4};
+  // nine weight rows of 32 codes at 4 bits: a block of eight rows and one left over
+  std::vector<float> x(32, 1.0f), scales(9, 1.0f), biases(9, 0.0f), y(9);
+  std::vector<uint32_t> codes(9 * 4, 0x76543210u);
+  Matvec<float> p{x.data(), codes.data(), scales.data(), biases.data(), y.data(), 1, 9, 32, 32, 4};
   fast ? matvec_fast(p) : matvec_plain(p);
   tried[fast] = true;
 }
