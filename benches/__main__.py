@@ -13,7 +13,7 @@ from tiny_llm_support import startup
 
 BENCHMARKS = (
     "chunked-prefill", "flash-attention", "long-context", "model", "moe", "own-kernel",
-    "prefix-cache",
+    "paged-decode", "prefix-cache",
     "quantization", "ragged-step", "serving", "serving-overhead", "shape-stable", "speculative",
     "structured-output", "tensor-parallel", "token-delivery",
 )  # fmt: skip

@@ -13,12 +13,17 @@ ceilings (benches/ceilings.py).
     pdm run bench-moe --experts 8 --hidden 64 --expert-width 32 --vocab 512 --prefill 16 \\
         --decode-steps 2 --repeats 1 --matmul-size 64 --copy-mb 8      # a smoke run, seconds
 
+--own-kernel (Week 5 Day 3) adds a fourth variant, "own-kernel": grouped, with the pairs
+multiplied by the course's grouped_matmul kernel (Qwen3SparseMoE.set_expert_matmul), and writes
+moe-<shape>-<N>layers-own-kernel-<os>-<arch>-<N>cpu.json instead (chapter 5.3).
+
 Writes benches/results/moe-<shape>-<N>layers-<os>-<arch>-<N>cpu.json and prints a table.
 """
 
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -48,11 +53,25 @@ SHAPE_FLAGS = {"experts": "num_experts", "experts_per_token": "num_experts_per_t
                "vocab": "vocab_size"}  # fmt: skip
 FIRST_CONTROL_ID = 151643  # Qwen3's ids from here up are control tokens: prompts stay below
 VARIANTS = ("loop", "grouped", "mlx-lm")
+OWN_KERNEL = "own-kernel"  # --own-kernel: grouped through grouped_matmul (Week 5 Day 3)
 DTYPE = mx.float32  # the CPU's dtype: bf16 matmul is slow there, and gather_mm is fp32-only
 SLOW_S = 1.5  # a first run longer than this counts as a sample: it gains nothing from a warm-up
 AGREEMENT_RTOL = 1e-3  # max |variant - grouped| / max |grouped|, at most
 TARGET_GROUPED_OVER_LOOP = 3.0  # block prefill: loop's time / grouped's time, at least
 TARGET_GROUPED_OVER_MLX_LM = 1.25  # every block row: grouped's time / mlx-lm's time, at most
+TARGET_OWN_OVER_LOOP = 3.0  # 5.3, block prefill: loop's time / own-kernel's time, at least
+TARGET_OWN_OVER_GROUPED_DECODE = 1.0  # 5.3, block decode rows: own-kernel's / grouped's, at most
+
+
+def variants(args) -> tuple[str, ...]:
+    return VARIANTS + ((OWN_KERNEL,) if getattr(args, "own_kernel", False) else ())
+
+
+def own_kernel_moe(moe):
+    """A sparse block run grouped through the course's kernel (Week 5 Day 3)."""
+    moe.grouped = True
+    moe.set_expert_matmul("own-kernel")
+    return moe
 
 
 class Disagreement(RuntimeError):
@@ -139,8 +158,11 @@ def agreement(where: str, name: str, output: mx.array, grouped: mx.array) -> dic
 # --- the block alone -----------------------------------------------------------------------------
 
 
-def bench_block(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tuple[list, list]:
-    """Rows (case, variant) of layer 0's block alone, x [B, L, H] -> [B, L, H]; the checks."""
+def bench_block(
+    pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings
+) -> tuple[list, list, dict]:
+    """Rows (case, variant) of layer 0's block alone, x [B, L, H] -> [B, L, H]; the checks; with
+    --own-kernel, where own-kernel's prefill time goes (kernel_breakdown)."""
     c, w, p = ckpt.config, ckpt.weights, "model.layers.0.mlp."
     blocks = {"mlx-lm": mlx_lm.model.model.layers[0].mlp}
     for name, grouped in (("loop", False), ("grouped", True)):
@@ -150,17 +172,23 @@ def bench_block(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tup
             w[p + "switch_mlp.down_proj.weight"],
         )  # fmt: skip
         blocks[name].grouped = grouped
+    if OWN_KERNEL in variants(args):
+        blocks[OWN_KERNEL] = own_kernel_moe(pkg.Qwen3SparseMoE(
+            c.num_experts_per_tok, c.norm_topk_prob, w[p + "gate.weight"],
+            w[p + "switch_mlp.gate_proj.weight"], w[p + "switch_mlp.up_proj.weight"],
+            w[p + "switch_mlp.down_proj.weight"],
+        ))  # fmt: skip
     cases = [("prefill", 1, args.prefill)] + [("decode", b, 1) for b in args.decode_batches]
-    rows, checks = [], []
+    rows, checks, breakdown = [], [], {}
     for case, batch, length in cases:
         label = f"{case} {batch}x{length}"  # rows x tokens per row
         key = mx.random.key(args.seed + batch * length)
         x = mx.random.normal((batch, length, c.hidden_size), key=key).astype(DTYPE)
-        calls = {name: timed_call(blocks[name], x) for name in VARIANTS}
+        calls = {name: timed_call(blocks[name], x) for name in variants(args)}
         samples, found = sample(calls, args.repeats, f"block {label}")
         checks += found
         cost = block_cost(c, x, w[p + "gate.weight"])
-        for name in VARIANTS:
+        for name in variants(args):
             times = [s["s"] for s in samples[name]]
             t, tokens = harness.median(times), batch * length
             gb_per_s, gflop_per_s = cost["weight_bytes"] / t / 1e9, cost["flops"] / t / 1e9
@@ -172,7 +200,45 @@ def bench_block(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tup
                          "gflop_per_s": gflop_per_s,
                          "share_of_matmul": gflop_per_s / ceilings["matmul_ceiling_gflops"],
                          })  # fmt: skip
-    return rows, checks
+        if case == "prefill" and OWN_KERNEL in blocks:
+            own = next(r for r in rows if r["label"] == label and r["variant"] == OWN_KERNEL)
+            breakdown = kernel_breakdown(pkg, blocks[OWN_KERNEL], x, args.repeats, own["median_s"])
+    return rows, checks, breakdown
+
+
+def kernel_breakdown(pkg, moe, x: mx.array, repeats: int, block_s: float) -> dict[str, Any]:
+    """Where own-kernel's block time goes at prefill: its three grouped_matmul calls timed alone
+    on the pairs this block routes, sorted by expert, against the block's median (block_s); the
+    rest is the block's MLX ops around them (router, sort, gathers, SwiGLU, weighted sum)."""
+    flat = x.reshape(-1, x.shape[-1])  # [N, H]
+    experts, _ = pkg.route(flat @ moe.w_router.T, moe.top_k, moe.norm_topk_prob)  # [N, k]
+    ids = experts.reshape(-1)
+    order = mx.argsort(ids)
+    tokens = mx.repeat(mx.arange(flat.shape[0]), experts.shape[1])[order]
+    xs, ids = flat[tokens], ids[order].astype(mx.int32)  # [M, H], [M] sorted
+    h = mx.random.normal((xs.shape[0], moe.w_gate.shape[1]), key=mx.random.key(1))  # [M, I]
+    mx.eval(xs, ids, h)
+    calls = {"gate": (xs, moe.w_gate.weight), "up": (xs, moe.w_up.weight),
+             "down": (h, moe.w_down.weight)}  # fmt: skip
+    out: dict[str, Any] = {"pairs": xs.shape[0], "runs": len(np.unique(np.array(ids))),
+                           "block_s": block_s, "calls": {}}  # fmt: skip
+    for name, (a, w) in calls.items():
+        times = []
+        for _ in range(repeats + 1):  # the first one warms up
+            start = time.perf_counter()
+            mx.eval(pkg.grouped_matmul(a, w, ids))
+            times.append(time.perf_counter() - start)
+        t = harness.median(times[1:])
+        flops = 2 * a.shape[0] * a.shape[1] * w.shape[1]
+        out["calls"][name] = {"shape": [a.shape[0], w.shape[1], a.shape[1]], "samples_s": times[1:],
+                              "median_s": t, "gflop_per_s": flops / t / 1e9}  # fmt: skip
+    kernel = sum(c["median_s"] for c in out["calls"].values())
+    flops = sum(c["gflop_per_s"] * c["median_s"] for c in out["calls"].values())
+    out.update({"kernel_s": kernel, "kernel_share": kernel / block_s, "rest_s": block_s - kernel,
+                "kernel_gflop_per_s": flops / kernel})  # fmt: skip
+    harness.log(f"  own-kernel prefill: grouped_matmul {kernel * 1000:.0f} ms of "
+                f"{block_s * 1000:.0f} ms ({flops / kernel:.0f} GFLOP/s)")  # fmt: skip
+    return out
 
 
 def timed_call(block: Callable[[mx.array], mx.array], x: mx.array) -> Call:
@@ -217,6 +283,10 @@ def bench_model(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tup
         for layer in runs[name].model.layers:
             layer.mlp.grouped = grouped
     runs["mlx-lm"] = mlx_lm
+    if OWN_KERNEL in variants(args):
+        runs[OWN_KERNEL] = RefImpl(pkg, ckpt, "dense")
+        for layer in runs[OWN_KERNEL].model.layers:
+            own_kernel_moe(layer.mlp)
     high = min(ckpt.config.vocab_size, FIRST_CONTROL_ID)
     ids = np.random.RandomState(args.seed).randint(0, high, args.prefill + args.decode_steps)
     prompt = mx.array(ids[None, : args.prefill], dtype=mx.int32)
@@ -226,7 +296,7 @@ def bench_model(pkg, ckpt: Checkpoint, mlx_lm: MlxLmImpl, args, ceilings) -> tup
     context = args.prefill + (args.decode_steps + 1) // 2  # the middle of the timed steps
     step_bytes = decode_step_bytes(ckpt.config, context)
     rows = []
-    for name in VARIANTS:
+    for name in variants(args):
         prefill = [s["prefill_s"] for s in samples[name]]
         step = [s["decode_step_s"] for s in samples[name]]
         gb_per_s = step_bytes["total"] / harness.median(step) / 1e9
@@ -260,8 +330,19 @@ def targets(block: list[dict[str, Any]]) -> dict[str, Any]:
                       "met": speedup >= low}  # fmt: skip
     time_target = {"values": ratios, "target_at_most": high,
                    "met": all(v <= high for v in ratios.values())}  # fmt: skip
-    return {"checked": True, "grouped_speedup_over_loop_prefill": speedup_target,
-            "grouped_time_over_mlx_lm": time_target}  # fmt: skip
+    out = {"checked": True, "grouped_speedup_over_loop_prefill": speedup_target,
+           "grouped_time_over_mlx_lm": time_target}  # fmt: skip
+    if (prefill, OWN_KERNEL) in at:  # Week 5 Day 3
+        own = at[(prefill, "loop")] / at[(prefill, OWN_KERNEL)]
+        out["own_kernel_speedup_over_loop_prefill"] = {
+            "case": prefill, "value": own, "target_at_least": TARGET_OWN_OVER_LOOP,
+            "met": own >= TARGET_OWN_OVER_LOOP}  # fmt: skip
+        decode = {r["label"]: at[(r["label"], OWN_KERNEL)] / at[(r["label"], "grouped")]
+                  for r in block if r["case"] == "decode"}  # fmt: skip
+        out["own_kernel_time_over_grouped_decode"] = {
+            "values": decode, "target_at_most": TARGET_OWN_OVER_GROUPED_DECODE,
+            "met": all(v <= TARGET_OWN_OVER_GROUPED_DECODE for v in decode.values())}  # fmt: skip
+    return out
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -289,6 +370,13 @@ def summary_table(report: dict[str, Any]) -> str:
                      f"{s['case']}: {s['value']:.2f}x, {harness.met(s['met'])}")  # fmt: skip
         lines.append(f"target: grouped within {m['target_at_most']}x of mlx-lm's time: {values}: "
                      f"{harness.met(m['met'])}")  # fmt: skip
+    if "own_kernel_speedup_over_loop_prefill" in t:
+        s, d = t["own_kernel_speedup_over_loop_prefill"], t["own_kernel_time_over_grouped_decode"]
+        values = ", ".join(f"{k} {v:.2f}x" for k, v in d["values"].items())
+        lines.append(f"target: own-kernel at least {s['target_at_least']}x faster than loop at "
+                     f"{s['case']}: {s['value']:.2f}x, {harness.met(s['met'])}")  # fmt: skip
+        lines.append(f"target: own-kernel's decode time at most {d['target_at_most']}x grouped's: "
+                     f"{values}: {harness.met(d['met'])}")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -308,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     r.add_argument("--decode-steps", type=int_at_least(1), default=8, help="model")
     r.add_argument("--repeats", type=int_at_least(1), default=3, help="samples per variant")
     r.add_argument("--seed", type=int, default=0, help="weights, inputs and token ids")
+    r.add_argument("--own-kernel", action="store_true",
+                   help="add the own-kernel variant (Week 5 Day 3) and its JSON name")  # fmt: skip
     add_solution_argument(r)
     m = p.add_argument_group("machine")
     m.add_argument("--matmul-size", type=int_at_least(1), default=1024, help="ceilings: matmul")
@@ -326,7 +416,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{harness.memory_bytes() / 1e9:.1f} GB: use fewer --layers")  # fmt: skip
     default = all(QWEN3_30B_A3B[k] == v for k, v in shape.items())
     name = "qwen3-30b-a3b-shape" if default else "e{}-k{}-h{}-i{}-v{}".format(*shape.values())
-    name = f"moe-{name}-{args.layers}layers-{harness.host_slug()}.json"
+    own = "-own-kernel" if args.own_kernel else ""
+    name = f"moe-{name}-{args.layers}layers{own}-{harness.host_slug()}.json"
     harness.set_output_paths(p, args, harness.RESULTS / name)
     with harness.OneLineErrors(args.solution, Disagreement) as errors:
         report = run(load_solution(args.solution), args, config)
@@ -336,6 +427,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def run(pkg, args, config: Qwen3Config) -> dict[str, Any]:
     started, device = time.time(), choose_device("cpu")
+    load = os.getloadavg()  # 1, 5 and 15 minutes, as the run started
     core = harness.log_blas()
     harness.log(f"machine limits (matmul {args.matmul_size}, copy {args.copy_mb} MB):")
     ceilings = measure_ceilings(args.matmul_size, args.copy_mb, 3, DTYPE)
@@ -345,15 +437,16 @@ def run(pkg, args, config: Qwen3Config) -> dict[str, Any]:
     mlx_lm = MlxLmImpl(ckpt)  # the same weight arrays, no copy
     held = sum(w.nbytes for w in weights.values())
     harness.log(f"random weights: {held / 1e9:.2f} GB, built in {time.perf_counter() - t:.1f} s")
-    block, model, checks = [], [], []
+    block, model, checks, breakdown = [], [], [], {}
     if "block" in args.parts:
-        block, checks = bench_block(pkg, ckpt, mlx_lm, args, ceilings)
+        block, checks, breakdown = bench_block(pkg, ckpt, mlx_lm, args, ceilings)
     if "model" in args.parts:
         model, more = bench_model(pkg, ckpt, mlx_lm, args, ceilings)
         checks += more
     one = expert_bytes(config)
     settings = {
         **harness.arguments_json(args, ["json_output"]), "device": device, "dtype": "float32",
+        "load_average_at_start": list(load), "load_average_at_end": list(os.getloadavg()),
         "config": config.raw,
         "weights": {"random": True, "seed": args.seed, "expert_bytes": one,
                     "experts_bytes_per_layer": config.num_experts * one,
@@ -364,5 +457,7 @@ def run(pkg, args, config: Qwen3Config) -> dict[str, Any]:
     }  # fmt: skip
     agreement = {"reference": "grouped", **harness.agreement_summary(checks, AGREEMENT_RTOL)}
     summary = {"ceilings": ceilings, "agreement": agreement}
+    if breakdown:
+        summary["own_kernel_prefill_breakdown"] = breakdown
     blas = {**harness.process_blas(), "openblas_core": core, "environment": harness.environment()}
     return harness.report("moe", started, settings, block + model, summary, targets(block), blas)

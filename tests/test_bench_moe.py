@@ -76,3 +76,30 @@ def test_a_disagreement_stops_the_bench(tmp_path, monkeypatch, capsys):
     assert bench.main(args) == 1
     assert "differs from grouped" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_bench_moe_own_kernel_smoke(tmp_path, capsys):
+    """--own-kernel (chapter 5.3): a fourth variant in every row, checked against grouped, and
+    its two targets; the default file name says own-kernel (the 4.6 JSON stays as it is)."""
+    out = tmp_path / "moe-own.json"
+    args = [*TINY, "--repeats", "1", "--own-kernel", "--json-output", str(out)]
+    assert bench.main(args) == 0
+    assert "target: own-kernel at least 3.0x faster than loop" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    variants = (*bench.VARIANTS, bench.OWN_KERNEL)
+    block = [r for r in report["runs"] if r["part"] == "block"]
+    labels = ["prefill 1x16", "decode 1x1", "decode 2x1"]
+    assert [(r["label"], r["variant"]) for r in block] == [
+        (label, v) for label in labels for v in variants
+    ]
+    model = [r["variant"] for r in report["runs"] if r["part"] == "model"]
+    assert model == list(variants)
+    checked = {c["variant"] for c in report["summary"]["agreement"]["checks"]}
+    assert checked == {"loop", "mlx-lm", bench.OWN_KERNEL}
+    targets = report["targets"]
+    assert targets["own_kernel_speedup_over_loop_prefill"]["case"] == "prefill 1x16"
+    assert set(targets["own_kernel_time_over_grouped_decode"]["values"]) == set(labels[1:])
+    assert len(report["settings"]["load_average_at_start"]) == 3
+    breakdown = report["summary"]["own_kernel_prefill_breakdown"]
+    assert set(breakdown["calls"]) == {"gate", "up", "down"}
+    assert breakdown["pairs"] == PREFILL * PER_TOKEN and 0 < breakdown["kernel_s"]

@@ -81,3 +81,76 @@ def test_built_once_again_when_a_source_changes_and_compile_errors_shown(tmp_pat
     broken = build_in_fresh_process(package)
     assert broken.returncode != 0 and "building" in broken.stderr, "a changed source not rebuilt"
     assert "failed to compile" in broken.stderr and "error" in broken.stderr, broken.stderr
+
+
+# --- Week 5 Day 2: paged decode attention ---------------------------------------------------------
+
+
+def decode_inputs(b=2, h_q=4, h_kv=2, d=16, pages=6, page=4):
+    """q [B, H_q, D], pools [pages, H_kv, P, D], tables [B, 2], lengths [B]: a valid call."""
+    pool = mx.zeros((pages, h_kv, page, d))
+    table = mx.array([[0, 1], [2, 3]][:b], dtype=mx.int32)
+    return mx.zeros((b, h_q, d)), pool, pool, table, mx.array([5, 8][:b], dtype=mx.int32), 0.25
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (lambda a: (a[0][:, :3], *a[1:]), "H_q a multiple of H_kv"),
+        (lambda a: (a[0][..., :8], *a[1:]), "must be [B, H_q, 16]"),
+        (lambda a: (a[0][..., :12], a[1][..., :12], a[2][..., :12], *a[3:]), "multiple of 8"),
+        (lambda a: (a[0], a[1], a[2][:3], *a[3:]), "must both be [num_pages, H_kv, P, D]"),
+        (lambda a: (a[0].astype(mx.float16), *a[1:]), "q's dtype"),
+        (lambda a: (*a[:3], a[3].astype(mx.int64), *a[4:]), "page_table must be int32"),
+        (lambda a: (*a[:3], a[3][:1], *a[4:]), "page_table must be int32 [2, W >= 1]"),
+        (lambda a: (*a[:4], a[4].astype(mx.uint32), a[5]), "lengths must be int32 [2]"),
+        (lambda a: (*a[:4], mx.array([5, 9], dtype=mx.int32), a[5]), "1 .. W * P = 8"),
+        (lambda a: (*a[:4], mx.array([0, 8], dtype=mx.int32), a[5]), "has length 0"),
+        (lambda a: (*a[:3], mx.array([[0, 1], [2, 6]], dtype=mx.int32), *a[4:]), "page 6"),
+        (lambda a: (*a[:5], float("nan")), "scale must be finite"),
+    ],
+)
+def test_bad_decode_calls_are_refused_when_the_op_is_made(change, says):
+    with pytest.raises(ValueError, match="paged_decode_attention: ") as caught:
+        tiny_llm_ref.paged_decode_attention(*change(decode_inputs()))
+    assert says in str(caught.value), str(caught.value)
+
+
+def test_the_decode_kernel_is_refused_for_pools_that_gather():
+    """use_own_decode_kernel (given code) needs pools read in place."""
+    pool = tiny_llm_ref.TinyKvPagedPool(2, 16, page_size=4)
+    with pytest.raises(ValueError, match="read_in_place=True"):
+        tiny_llm_ref.use_own_decode_kernel([pool])
+    assert pool.decode_kernel is None
+
+
+# --- Week 5 Day 3: grouped_matmul's checks (given code: they pass on the skeleton too) ----------
+
+
+def grouped_inputs(m=5, e=3, n=4, k=8):
+    return [mx.ones((m, k)), mx.ones((e, n, k)), mx.zeros((m,), dtype=mx.int32)]
+
+
+def grouped_with(i, value):
+    def change(inputs):
+        inputs[i] = value
+        return inputs
+
+    return change
+
+
+@pytest.mark.parametrize(
+    "change,says",
+    [
+        (grouped_with(0, mx.ones((5, 1, 8))), "x must be a matrix [M, K], got [5, 1, 8]"),
+        (grouped_with(0, mx.ones((5, 8), dtype=mx.int32)), "x must be float32"),
+        (grouped_with(1, mx.ones((3, 4, 9))), "w must be the experts' weights [E, N, K]"),
+        (grouped_with(1, mx.ones((4, 8))), "w must be the experts' weights [E, N, K]"),
+        (grouped_with(1, mx.ones((3, 4, 8), dtype=mx.float16)), "w must have x's dtype"),
+        (grouped_with(2, mx.zeros((4,), dtype=mx.int32)), "experts must be int32 [M]"),
+    ],
+)
+def test_bad_grouped_calls_are_refused_when_the_op_is_made(change, says):
+    with pytest.raises(ValueError, match="grouped_matmul: ") as caught:
+        tiny_llm_ref.grouped_matmul(*change(grouped_inputs()))
+    assert says in str(caught.value), str(caught.value)

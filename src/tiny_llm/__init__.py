@@ -21,19 +21,22 @@ from .flash_attention import (
 )
 from .fork import can_fork, fork_prefix
 from .generate import simple_generate, simple_generate_with_kv_cache
-from .kernels import quantized_matvec
+from .kernels import grouped_matmul, paged_decode_attention, quantized_matvec
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
 from .logprobs import TokenLogprob, prompt_logprobs, record_logprobs, token_logprobs
 from .mlp import Qwen3MLP
 from .moe import (
+    EXPERT_MATMULS,
     ExpertParallelMoE,
+    OwnKernelExperts,
     Qwen3SparseMoE,
     experts_grouped,
     experts_loop,
     route,
     run_pairs,
 )
+from .paged_decode import own_decode_attention, use_own_decode_kernel
 from .paged_kv_cache import PagePoolExhausted, TinyKvPagedCache, TinyKvPagedPool
 from .positional_encoding import RoPE
 from .prefix_cache import (
@@ -111,7 +114,9 @@ __all__ = [
     "split_sequence",
     "window_mask",
     "windowed_attention",
+    "EXPERT_MATMULS",
     "ExpertParallelMoE",
+    "OwnKernelExperts",
     "Qwen3SparseMoE",
     "experts_grouped",
     "experts_loop",
@@ -179,12 +184,15 @@ __all__ = [
     "dequantize",
     "flash_attention",
     "forward_ragged",
+    "grouped_matmul",
     "hybrid_step",
     "keep_top_p",
     "linear",
     "make_sampler",
     "merge_partials",
+    "own_decode_attention",
     "paged_attention",
+    "paged_decode_attention",
     "prefill_query_width",
     "quantize",
     "quantized_matvec",
@@ -197,6 +205,7 @@ __all__ = [
     "simple_generate_with_kv_cache",
     "softmax",
     "take_weight",
+    "use_own_decode_kernel",
     "TokenLogprob",
     "prompt_logprobs",
     "record_logprobs",

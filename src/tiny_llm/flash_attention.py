@@ -125,6 +125,9 @@ def paged_attention(
                 f"a row of {length} tokens in {len(table)} pages of {pool.page_size} cannot "
                 f"hold its {l} queries"
             )
+    decode_kernel = getattr(pool, "decode_kernel", None)  # Week 5 Day 2: opt-in, per pool
+    if l == 1 and decode_kernel is not None and mx.default_device() == mx.cpu:
+        return decode_kernel(query, pool, page_tables, lengths, scale)
     raise NotImplementedError(
         "Week 3 Day 5, Task 3: walk the page tables a block of pages at a time"
     )

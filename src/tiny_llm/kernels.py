@@ -30,3 +30,33 @@ def quantized_matvec(
     uint32, scales and biases [N, K/group_size] in x's dtype), on the CPU. fast=False runs the
     plain loop (Day 1, Task 1), fast=True the blocked, vectorized kernel (Tasks 2 and 3)."""
     return extension().quantized_matvec(x, codes, scales, biases, group_size, bits, fast)
+
+
+def paged_decode_attention(
+    q: mx.array,
+    key_pages: mx.array,
+    value_pages: mx.array,
+    page_table: mx.array,
+    lengths: mx.array,
+    scale: float | None = None,
+    fast: bool = True,
+) -> mx.array:
+    """Decode attention over page tables, on the CPU (Week 5 Day 2): q [B, H_q, D], one query
+    per row; key_pages/value_pages [num_pages, H_kv, P, D] of a pool, read where they lie;
+    page_table [B, W] int32 (rows padded past their last page), lengths [B] int32: row b sees
+    its first lengths[b] positions -> [B, H_q, D]. scale defaults to 1 / sqrt(D). fast=False
+    runs the plain walk (Task 1), fast=True the grouped, vectorized one (Tasks 2 and 3)."""
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return extension().paged_decode_attention(
+        q, key_pages, value_pages, page_table, lengths, scale, fast
+    )
+
+
+def grouped_matmul(x: mx.array, w: mx.array, experts: mx.array, fast: bool = True) -> mx.array:
+    """y [M, N] with y[i] = x[i] @ w[experts[i]].T, on the CPU (Week 5 Day 3): x [M, K], the
+    experts' weights stacked w [E, N, K] (x's dtype), experts [M] int sorted ascending (any
+    order is correct, sorted is fast: each run of rows sharing an expert reads its weights once;
+    a row whose expert is outside [0, E) comes out NaN). fast=False runs the plain loop (Task 1),
+    fast=True the tiled kernel (Tasks 2 and 3)."""
+    return extension().grouped_matmul(x, w, experts.astype(mx.int32), fast)

@@ -20,10 +20,45 @@ import mlx.core as mx
 import numpy as np
 
 from .basics import linear, silu
+from .kernels import grouped_matmul
 from .quantize import QuantizedWeight
 from .tensor_parallel import keep, rank_slice
 
-Stack = mx.array | QuantizedWeight  # the experts' weights stacked [E, out, in], float or quantized
+EXPERT_MATMULS = ("gather-mm", "own-kernel")  # how the grouped pairs multiply (Week 5 Day 3)
+
+
+class OwnKernelExperts:
+    """A float expert stack [E, out, in] whose gathered matmul (gather_linear) runs the course's
+    grouped_matmul kernel (Week 5 Day 3) instead of mx.gather_mm. It stands in for the array where
+    the block uses one, as QuantizedWeight does for a quantized weight: `w.shape`, `w.dtype`,
+    `w[e]` (expert e's matrix, for experts_loop)."""
+
+    def __init__(self, weight: mx.array):
+        self.weight = weight
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.weight.shape
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __getitem__(self, index) -> mx.array:
+        return self.weight[index]
+
+    def gather_linear(self, x: mx.array, experts: mx.array) -> mx.array:
+        """x [M, 1, in] @ W[experts[m]].T for every m -> [M, 1, out]; experts [M] sorted."""
+        raise NotImplementedError(
+            "Week 5 Day 3, Task 4: the sorted pairs through grouped_matmul, one row per pair"
+        )
+
+
+Stack = mx.array | QuantizedWeight | OwnKernelExperts  # the experts stacked [E, out, in]
 
 
 def route(logits: mx.array, k: int, norm_topk_prob: bool) -> tuple[mx.array, mx.array]:
@@ -56,7 +91,10 @@ def experts_loop(
 
 def gather_linear(x: mx.array, w: Stack, experts: mx.array) -> mx.array:
     """x [M, 1, in] @ W[experts[m]].T for every m -> [M, 1, out], from stacked weights
-    w [E, out, in] (float, or a QuantizedWeight and MLX's quantized kernel); experts [M] sorted."""
+    w [E, out, in] (float, or a QuantizedWeight and MLX's quantized kernel, or OwnKernelExperts
+    and the course's kernel); experts [M] sorted."""
+    if isinstance(w, OwnKernelExperts):
+        return w.gather_linear(x, experts)
     if isinstance(w, QuantizedWeight):
         return mx.gather_qmm(
             x, w.codes, w.scales, w.biases, rhs_indices=experts, transpose=True,
@@ -92,7 +130,8 @@ class Qwen3SparseMoE:
 
     w_router [E, H]; w_gate, w_up [E, I, H] and w_down [E, H, I], the experts stacked.
     grouped: True runs the experts with experts_grouped, False with experts_loop, None (the
-    default) picks per call, as measured (chapter 4.6, use_grouped).
+    default) picks per call, as measured (chapter 4.6, use_grouped). set_expert_matmul
+    ("own-kernel") runs the grouped pairs through the course's kernel (Week 5 Day 3).
     """
 
     def __init__(
@@ -116,7 +155,22 @@ class Qwen3SparseMoE:
         experts (decode); a prefill's thousands of pairs run faster as a loop over experts."""
         if self.grouped is not None:
             return self.grouped
+        if isinstance(self.w_gate, OwnKernelExperts):
+            return True  # the course's kernel reads an expert's weights once per run (5.3)
         return mx.default_device().type == mx.gpu or pairs <= self.w_gate.shape[0]
+
+    def set_expert_matmul(self, path: str) -> None:
+        """How the grouped pairs multiply, one of EXPERT_MATMULS: "gather-mm" (mx.gather_mm,
+        chapter 4.6) or "own-kernel" (grouped_matmul, Week 5 Day 3; float stacks on the CPU
+        only: a quantized stack keeps mx.gather_qmm)."""
+        if path not in EXPERT_MATMULS:
+            raise ValueError(f"unknown expert_matmul {path!r}: use one of {EXPERT_MATMULS}")
+        own = path == "own-kernel" and mx.default_device().type == mx.cpu
+        stacks = []
+        for w in (self.w_gate, self.w_up, self.w_down):
+            w = w.weight if isinstance(w, OwnKernelExperts) else w
+            stacks.append(OwnKernelExperts(w) if own and isinstance(w, mx.array) else w)
+        self.w_gate, self.w_up, self.w_down = stacks
 
     def __call__(self, x: mx.array) -> mx.array:
         raise NotImplementedError("Week 4 Day 6, Task 4: route every token and run its experts")

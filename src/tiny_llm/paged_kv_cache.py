@@ -42,6 +42,7 @@ class TinyKvPagedPool:
 
     grow_tokens = 256  # the capacity grows by at least this many token slots at a time
     attention_block = 128  # token slots paged attention reads per step of its walk (Week 3 Day 5)
+    decode_kernel = None  # use_own_decode_kernel: one-query rows go through it (Week 5 Day 2)
 
     def __init__(
         self,

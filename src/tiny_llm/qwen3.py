@@ -129,7 +129,8 @@ class Qwen3Model(Qwen3ModelWeek1):
     compiled=True (Week 3 Day 3) runs every block's token-parallel halves through a
     CompileCache of compile_capacity variants per half. quantized_linear (Week 4 Day 1) as for
     Qwen3ModelWeek1; kv_bits=8 makes create_kv_cache hand out quantized caches (INT8, groups
-    of kv_group_size along the head dimension).
+    of kv_group_size along the head dimension). expert_matmul (Week 5 Day 3): how the sparse
+    layers multiply their grouped pairs, one of EXPERT_MATMULS ("own-kernel": the course's kernel).
     """
 
     attention_cls = Qwen3AttentionWithCache
@@ -145,6 +146,7 @@ class Qwen3Model(Qwen3ModelWeek1):
         quantized_linear: str | None = None,
         kv_bits: int | None = None,
         kv_group_size: int = 64,
+        expert_matmul: str = "gather-mm",
     ):
         if kv_bits is not None:
             check_quant_format(kv_group_size, kv_bits, "Qwen3Model kv cache")
@@ -162,6 +164,9 @@ class Qwen3Model(Qwen3ModelWeek1):
         self.kv_bits, self.kv_group_size = kv_bits, kv_group_size
         self.compiled, self.compile_capacity = compiled, compile_capacity
         self.group: mx.distributed.Group | None = None  # set by shard()
+        for layer in self.layers:
+            if isinstance(layer.mlp, Qwen3SparseMoE):
+                layer.mlp.set_expert_matmul(expert_matmul)  # Week 5 Day 3
         if compiled:
             for layer in self.layers:
                 if isinstance(layer.mlp, Qwen3SparseMoE):

@@ -159,6 +159,9 @@ def paged_attention(
                 f"a row of {length} tokens in {len(table)} pages of {pool.page_size} cannot "
                 f"hold its {l} queries"
             )
+    decode_kernel = getattr(pool, "decode_kernel", None)  # Week 5 Day 2: opt-in, per pool
+    if l == 1 and decode_kernel is not None and mx.default_device() == mx.cpu:
+        return decode_kernel(query, pool, page_tables, lengths, scale)
     # BEGIN TASK Week 3 Day 5, Task 3: walk the page tables a block of pages at a time
     h_q, h_kv, size = query.shape[1], pool.num_kv_heads, pool.page_size
     factor = 1.0 / math.sqrt(d) if scale is None else scale

@@ -1,0 +1,316 @@
+// Week 5 Day 3: the kernels behind GroupedMatmul, and the op that puts one in MLX's graph.
+#include "grouped_matmul.h"
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include <mlx/allocator.h>
+#include <mlx/backend/cpu/encoder.h>
+#include <mlx/ops.h>
+
+namespace kernels {
+
+// What one evaluation reads and writes, copied into the task MLX runs later (as in Day 1).
+template <typename T>
+struct Grouped {
+  const T* x;              // [M, K], the rows (one per (token, expert) pair)
+  const T* w;              // [E, N, K], the experts' weights stacked
+  const int32_t* experts;  // [M], the expert of each row, sorted ascending
+  T* y;                    // [M, N]
+  int M, N, K, E;
+};
+
+// The expert of row i, or -1 when it is outside [0, E): that row's output is NaN.
+template <typename T>
+int expert_of(const Grouped<T>& p, int i) {
+  int e = p.experts[i];
+  return e >= 0 && e < p.E ? e : -1;
+}
+
+template <typename T>
+void fill_nan(const Grouped<T>& p, int i) {
+  std::fill(p.y + size_t(i) * p.N, p.y + size_t(i + 1) * p.N,
+            static_cast<T>(std::numeric_limits<float>::quiet_NaN()));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The plain loop: the definition, one dot product at a time.
+
+template <typename T>
+void grouped_plain(const Grouped<T>& p) {
+  // BEGIN TASK Week 5 Day 3, Task 1: the plain loop - one dot product per row and weight row
+  for (int i = 0; i < p.M; ++i) {
+    const int e = expert_of(p, i);
+    if (e < 0) {
+      fill_nan(p, i);
+      continue;
+    }
+    const T* x = p.x + size_t(i) * p.K;                // [K]
+    const T* w = p.w + size_t(e) * p.N * p.K;          // [N, K], this row's expert
+    for (int n = 0; n < p.N; ++n) {
+      float acc = 0.0f;
+      for (int k = 0; k < p.K; ++k) {
+        acc += static_cast<float>(x[k]) * static_cast<float>(w[size_t(n) * p.K + k]);
+      }
+      p.y[size_t(i) * p.N + n] = static_cast<T>(acc);
+    }
+  }
+  // END TASK
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fast kernel: the rows of one run (rows sharing an expert) multiplied together, a tile of
+// R rows x C weight rows in registers, eight values of K per vector operation, the weight rows
+// shared among the cores.
+
+typedef float f32x8 __attribute__((vector_size(32)));
+
+// Eight values from p[0 .. 7] as floats (p need not be aligned: memcpy is one unaligned load).
+template <typename T>
+inline f32x8 load8(const T* p) {
+  f32x8 v;
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(&v, p, sizeof(v));
+  } else {  // float16, bfloat16: converted lane by lane, accumulated in float
+    for (int l = 0; l < 8; ++l) {
+      v[l] = static_cast<float>(p[l]);
+    }
+  }
+  return v;
+}
+
+inline float sum_lanes(f32x8 v) {
+  float s = 0.0f;
+  for (int l = 0; l < 8; ++l) {
+    s += v[l];
+  }
+  return s;
+}
+
+// y[i0 .. i0+R-1, n0 .. n0+C-1] for R rows of one run, x [R, K] from row i0, and C rows of their
+// expert's weight, w_e [N, K] from row n0: R x C dot products over K at once. Each weight vector
+// is loaded once for the R rows and each x vector once for the C weight rows.
+template <int R, int C, typename T>
+void tile(const Grouped<T>& p, const T* w_e, int i0, int n0) {
+  // BEGIN TASK Week 5 Day 3, Task 2: a tile of R run rows x C weight rows, 8 values of K at once
+  const T* x = p.x + size_t(i0) * p.K;  // [R, K]
+  const T* w = w_e + size_t(n0) * p.K;  // [C, K]
+  const int k8 = p.K / 8 * 8;           // the part of K in whole vectors
+  f32x8 acc[R][C] = {};
+  for (int k = 0; k < k8; k += 8) {
+    f32x8 wv[C];
+    for (int c = 0; c < C; ++c) {
+      wv[c] = load8(w + size_t(c) * p.K + k);
+    }
+    for (int r = 0; r < R; ++r) {
+      f32x8 xv = load8(x + size_t(r) * p.K + k);
+      for (int c = 0; c < C; ++c) {
+        acc[r][c] += xv * wv[c];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int c = 0; c < C; ++c) {
+      float s = sum_lanes(acc[r][c]);
+      for (int k = k8; k < p.K; ++k) {  // the last K % 8 values, one at a time
+        s += static_cast<float>(x[size_t(r) * p.K + k]) *
+             static_cast<float>(w[size_t(c) * p.K + k]);
+      }
+      p.y[size_t(i0 + r) * p.N + n0 + c] = static_cast<T>(s);
+    }
+  }
+  // END TASK
+}
+
+// Runs work(begin, end) over [0, rows) cut into one range per core (whole blocks of `block`
+// rows), the last range on this thread: Day 1's over_rows. Only large work is shared (a thread
+// costs about what a small product takes), and an exception in a helper thread is thrown again
+// here, after every thread has ended.
+template <typename F>
+void over_weight_rows(int rows, size_t work_per_row, int block, F work) {
+  const size_t enough = 1 << 22;  // multiply-adds worth a thread of their own
+  int threads = std::max(1u, std::thread::hardware_concurrency());
+  threads = std::clamp<size_t>(rows * work_per_row / enough, 1, threads);
+  int per_thread = (rows + threads - 1) / threads;
+  per_thread = (per_thread + block - 1) / block * block;
+  std::vector<std::exception_ptr> errors(threads);
+  auto run = [&](int t, int begin, int end) {
+    try {
+      work(begin, end);
+    } catch (...) {
+      errors[t] = std::current_exception();
+    }
+  };
+  std::vector<std::thread> helpers;
+  int begin = 0;
+  for (; begin + per_thread < rows; begin += per_thread) {
+    helpers.emplace_back(run, int(helpers.size()), begin, begin + per_thread);
+  }
+  run(helpers.size(), begin, rows);
+  for (auto& t : helpers) {
+    t.join();
+  }
+  for (auto& e : errors) {
+    if (e) {
+      std::rethrow_exception(e);
+    }
+  }
+}
+
+constexpr int TILE_ROWS = 4;    // R: rows of a run per tile
+constexpr int TILE_WEIGHTS = 4;  // C: weight rows per tile (R x C accumulators in registers)
+
+// Weight rows n .. n+C-1 of expert e against every row of one run [begin, end): whole tiles of
+// R rows, then the rows left over one at a time.
+template <int C, typename T>
+void run_against(const Grouped<T>& p, int e, int begin, int end, int n) {
+  const T* w_e = p.w + size_t(e) * p.N * p.K;  // [N, K]
+  int i = begin;
+  for (; i + TILE_ROWS <= end; i += TILE_ROWS) {
+    tile<TILE_ROWS, C>(p, w_e, i, n);
+  }
+  for (; i < end; ++i) {
+    tile<1, C>(p, w_e, i, n);
+  }
+}
+
+template <typename T>
+void grouped_fast(const Grouped<T>& p) {
+  // BEGIN TASK Week 5 Day 3, Task 3: the runs of rows sharing an expert, weight rows over the cores
+  // run j is rows [starts[j], starts[j + 1]): a new run wherever the expert changes
+  std::vector<int> starts;
+  for (int i = 0; i < p.M; ++i) {
+    if (i == 0 || p.experts[i] != p.experts[i - 1]) {
+      starts.push_back(i);
+    }
+    if (expert_of(p, i) < 0) {
+      fill_nan(p, i);
+    }
+  }
+  starts.push_back(p.M);
+  // every core takes a range of weight rows [begin, end) of every run's expert
+  over_weight_rows(p.N, size_t(p.M) * p.K, TILE_WEIGHTS, [&](int begin, int end) {
+    for (size_t j = 0; j + 1 < starts.size(); ++j) {
+      const int e = expert_of(p, starts[j]);
+      if (e < 0) {
+        continue;
+      }
+      int n = begin;
+      for (; n + TILE_WEIGHTS <= end; n += TILE_WEIGHTS) {
+        run_against<TILE_WEIGHTS>(p, e, starts[j], starts[j + 1], n);
+      }
+      for (; n < end; ++n) {  // the weight rows left over, one at a time
+        run_against<1>(p, e, starts[j], starts[j + 1], n);
+      }
+    }
+  });
+  // END TASK
+}
+
+// ---------------------------------------------------------------------------------------------
+// The primitive and its op.
+
+template <typename T>
+void launch(const std::vector<mx::array>& in, mx::array& out, bool fast, mx::Stream stream) {
+  Grouped<T> p{in[0].data<T>(), in[1].data<T>(), in[2].data<int32_t>(), out.data<T>(),
+               int(in[0].shape(0)), int(in[1].shape(1)), int(in[0].shape(1)),
+               int(in[1].shape(0))};
+  mx::cpu::get_command_encoder(stream).dispatch([p, fast]() {
+    if (fast) {
+      grouped_fast(p);
+    } else {
+      grouped_plain(p);
+    }
+  });
+}
+
+void GroupedMatmul::eval_cpu(const std::vector<mx::array>& inputs, mx::array& out) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  switch (out.dtype()) {
+    case mx::float32:
+      return launch<float>(inputs, out, fast_, stream());
+    case mx::float16:
+      return launch<mx::float16_t>(inputs, out, fast_, stream());
+    default:
+      return launch<mx::bfloat16_t>(inputs, out, fast_, stream());
+  }
+}
+
+void GroupedMatmul::eval_gpu(const std::vector<mx::array>&, mx::array&) {
+  throw std::runtime_error("GroupedMatmul has a CPU kernel only: run it on mx.cpu");
+}
+
+bool GroupedMatmul::is_equivalent(const mx::Primitive& other) const {
+  return fast_ == static_cast<const GroupedMatmul&>(other).fast_;
+}
+
+namespace {
+
+std::string shape_of(const mx::array& a) {
+  std::string s = "[";
+  for (int i = 0; i < a.ndim(); ++i) {
+    s += (i ? ", " : "") + std::to_string(a.shape(i));
+  }
+  return s + "]";
+}
+
+// Every check before the node is made: a bad call fails here, with the shapes it got.
+void check_inputs(const mx::array& x, const mx::array& w, const mx::array& experts) {
+  auto fail = [](const std::string& what) {
+    throw std::invalid_argument("grouped_matmul: " + what);
+  };
+  if (x.dtype() != mx::float32 && x.dtype() != mx::float16 && x.dtype() != mx::bfloat16) {
+    fail("x must be float32, float16 or bfloat16");
+  }
+  if (x.ndim() != 2) {
+    fail("x must be a matrix [M, K], got " + shape_of(x));
+  }
+  if (w.ndim() != 3 || w.shape(2) != x.shape(1)) {
+    fail("w must be the experts' weights [E, N, K] with x's K = " + std::to_string(x.shape(1)) +
+         ", got " + shape_of(w));
+  }
+  if (w.dtype() != x.dtype()) {
+    fail("w must have x's dtype");
+  }
+  if (experts.dtype() != mx::int32 || experts.ndim() != 1 || experts.shape(0) != x.shape(0)) {
+    fail("experts must be int32 [M] with x's M = " + std::to_string(x.shape(0)) + ", got " +
+         shape_of(experts));
+  }
+}
+
+// As in Day 1: each kernel first runs here, once, on a small problem, so a kernel that throws
+// (a task not written yet) fails where Python sees it, not later on MLX's thread.
+void try_kernel(bool fast) {
+  static bool tried[2] = {false, false};
+  if (tried[fast]) {
+    return;
+  }
+  // 7 rows, K = 11, 3 experts of N = 5 weight rows: runs of 5 and 2 rows, expert 1 unused
+  std::vector<float> x(7 * 11, 1.0f), w(3 * 5 * 11, 1.0f), y(7 * 5);
+  std::vector<int32_t> experts = {0, 0, 0, 0, 0, 2, 2};
+  Grouped<float> p{x.data(), w.data(), experts.data(), y.data(), 7, 5, 11, 3};
+  fast ? grouped_fast(p) : grouped_plain(p);
+  tried[fast] = true;
+}
+
+}  // namespace
+
+mx::array grouped_matmul(const mx::array& x, const mx::array& w, const mx::array& experts,
+                         bool fast) {
+  check_inputs(x, w, experts);
+  try_kernel(fast);
+  mx::Stream stream = mx::default_stream(mx::Device::cpu);
+  return mx::array(
+      {x.shape(0), w.shape(1)}, x.dtype(), std::make_shared<GroupedMatmul>(stream, fast),
+      {mx::contiguous(x, false, stream), mx::contiguous(w, false, stream),
+       mx::contiguous(experts, false, stream)});
+}
+
+}  // namespace kernels
