@@ -75,8 +75,9 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, gro
           quantized_linear=None):  # fmt: skip
     """(name of the loop, token iterator): the cached loop if it is written, else Week 1's."""
     eos = ckpt.tokenizer.eos_token_ids
+    path = {} if quantized_linear is None else {"quantized_linear": quantized_linear}
     try:
-        model = package.Qwen3Model(ckpt, quantized_linear=quantized_linear)
+        model = package.Qwen3Model(ckpt, **path)
         if group is not None:
             model.shard(group)  # tensor parallelism: Week 4 Day 2
         stream = package.simple_generate_with_kv_cache(
@@ -89,7 +90,7 @@ def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, gro
     except NotImplementedError:
         if group is not None:
             raise  # Week 1's loop has no sharded model
-        model = package.Qwen3ModelWeek1(ckpt, quantized_linear=quantized_linear)
+        model = package.Qwen3ModelWeek1(ckpt, **path)
         loop = package.simple_generate(model, prompt_tokens, max_tokens, sampler, eos)
         return "Qwen3ModelWeek1 + simple_generate (no KV cache yet)", loop
 

@@ -1,6 +1,8 @@
 // Week 5 Day 3: the kernels behind GroupedMatmul, and the op that puts one in MLX's graph.
 #include "grouped_matmul.h"
 
+#include "common.h"
+
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -53,71 +55,12 @@ void grouped_plain(const Grouped<T>& p) {
 // R rows x C weight rows in registers, eight values of K per vector operation, the weight rows
 // shared among the cores.
 
-typedef float f32x8 __attribute__((vector_size(32)));
-
-// Eight values from p[0 .. 7] as floats (p need not be aligned: memcpy is one unaligned load).
-template <typename T>
-inline f32x8 load8(const T* p) {
-  f32x8 v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, p, sizeof(v));
-  } else {  // float16, bfloat16: converted lane by lane, accumulated in float
-    for (int l = 0; l < 8; ++l) {
-      v[l] = static_cast<float>(p[l]);
-    }
-  }
-  return v;
-}
-
-inline float sum_lanes(f32x8 v) {
-  float s = 0.0f;
-  for (int l = 0; l < 8; ++l) {
-    s += v[l];
-  }
-  return s;
-}
-
 // y[i0 .. i0+R-1, n0 .. n0+C-1] for R rows of one run, x [R, K] from row i0, and C rows of their
 // expert's weight, w_e [N, K] from row n0: R x C dot products over K at once. Each weight vector
 // is loaded once for the R rows and each x vector once for the C weight rows.
 template <int R, int C, typename T>
 void tile(const Grouped<T>& p, const T* w_e, int i0, int n0) {
   throw std::runtime_error("Week 5 Day 3, Task 2: a tile of R run rows x C weight rows, 8 values of K at once");
-}
-
-// Runs work(begin, end) over [0, rows) cut into one range per core (whole blocks of `block`
-// rows), the last range on this thread: Day 1's over_rows. Only large work is shared (a thread
-// costs about what a small product takes), and an exception in a helper thread is thrown again
-// here, after every thread has ended.
-template <typename F>
-void over_weight_rows(int rows, size_t work_per_row, int block, F work) {
-  const size_t enough = 1 << 22;  // multiply-adds worth a thread of their own
-  int threads = std::max(1u, std::thread::hardware_concurrency());
-  threads = std::clamp<size_t>(rows * work_per_row / enough, 1, threads);
-  int per_thread = (rows + threads - 1) / threads;
-  per_thread = (per_thread + block - 1) / block * block;
-  std::vector<std::exception_ptr> errors(threads);
-  auto run = [&](int t, int begin, int end) {
-    try {
-      work(begin, end);
-    } catch (...) {
-      errors[t] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> helpers;
-  int begin = 0;
-  for (; begin + per_thread < rows; begin += per_thread) {
-    helpers.emplace_back(run, int(helpers.size()), begin, begin + per_thread);
-  }
-  run(helpers.size(), begin, rows);
-  for (auto& t : helpers) {
-    t.join();
-  }
-  for (auto& e : errors) {
-    if (e) {
-      std::rethrow_exception(e);
-    }
-  }
 }
 
 constexpr int TILE_ROWS = 4;    // R: rows of a run per tile

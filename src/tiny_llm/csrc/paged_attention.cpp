@@ -1,6 +1,8 @@
 // Week 5 Day 2: the kernels behind PagedDecodeAttention, and the op that puts one in MLX's graph.
 #include "paged_attention.h"
 
+#include "common.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -48,30 +50,6 @@ void decode_plain(const PagedDecode<T>& p) {
 // The fast walk: one (row, KV head) at a time with its whole group of query heads, so each key
 // and value is read once for the group; a page at a time; eight lanes of D per operation.
 
-typedef float f32x8 __attribute__((vector_size(32)));
-
-// Eight numbers of any of the three dtypes, as floats.
-template <typename T>
-inline f32x8 load8(const T* x) {
-  f32x8 v;
-  if constexpr (std::is_same_v<T, float>) {
-    std::memcpy(&v, x, sizeof(v));  // an unaligned load
-  } else {
-    for (int i = 0; i < 8; ++i) {
-      v[i] = static_cast<float>(x[i]);
-    }
-  }
-  return v;
-}
-
-inline float sum_lanes(f32x8 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) {
-    s += v[i];
-  }
-  return s;
-}
-
 // Working memory of one thread, sized for a group of G query heads and pages of P slots.
 struct Scratch {
   std::vector<f32x8> q, acc, row;  // [G, D / 8], [G, D / 8], [D / 8]
@@ -84,39 +62,6 @@ struct Scratch {
 template <typename T>
 void decode_group(const PagedDecode<T>& p, int b, int kv, Scratch& s) {
   throw std::runtime_error("Week 5 Day 2, Task 2: one KV head with its query group, a page at a time");
-}
-
-// Runs work(begin, end) over [0, items) cut into one range per core, the last range on this
-// thread, as over_rows of Day 1 does: only when the work is large enough to pay for starting
-// threads. An exception in a helper thread is thrown again here, after every thread has ended.
-template <typename F>
-void over_pairs(int items, size_t work, F run_range) {
-  const size_t enough = 1 << 21;  // numbers read worth a thread of their own
-  int threads = std::max(1u, std::thread::hardware_concurrency());
-  threads = std::clamp<int>(work / enough, 1, std::min(threads, items));
-  const int per_thread = (items + threads - 1) / threads;
-  std::vector<std::exception_ptr> errors(threads);
-  auto run = [&](int t, int begin, int end) {
-    try {
-      run_range(begin, end);
-    } catch (...) {
-      errors[t] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> helpers;
-  int begin = 0;
-  for (; begin + per_thread < items; begin += per_thread) {
-    helpers.emplace_back(run, int(helpers.size()), begin, begin + per_thread);
-  }
-  run(helpers.size(), begin, items);
-  for (auto& t : helpers) {
-    t.join();
-  }
-  for (auto& e : errors) {
-    if (e) {
-      std::rethrow_exception(e);
-    }
-  }
 }
 
 template <typename T>

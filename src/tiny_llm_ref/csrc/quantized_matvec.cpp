@@ -1,6 +1,8 @@
 // Week 5 Day 1: the kernels behind QuantizedMatvec, and the op that puts one in MLX's graph.
 #include "quantized_matvec.h"
 
+#include "common.h"
+
 #include <algorithm>
 #include <exception>
 #include <numeric>
@@ -57,9 +59,7 @@ void matvec_plain(const Matvec<T>& p) {
 // bias taken out of the inner loop, the next rows' codes prefetched, a large product shared
 // among the cores.
 
-// Eight lanes of float or uint32: GCC and Clang compile arithmetic on these to vector
-// instructions (one AVX2 register on x86, two NEON registers on ARM).
-typedef float f32x8 __attribute__((vector_size(32)));
+// Eight lanes of uint32, as f32x8 (common.h) holds eight floats.
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 
 // The codes of block b (codes 8b .. 8b+7) of one weight row, as floats.
@@ -79,14 +79,6 @@ inline f32x8 eight_codes(const uint32_t* row, size_t b) {
     shifts = u32x8{0, 2, 4, 6, 8, 10, 12, 14};
   }
   return __builtin_convertvector((words >> shifts) & top, f32x8);
-}
-
-inline float sum_lanes(f32x8 v) {
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) {
-    s += v[i];
-  }
-  return s;
 }
 
 // y[n0 .. n0+R-1] for one row of x, given as float blocks x [K / 8] and the sum of each of its
@@ -122,42 +114,6 @@ void rows_at_once(const Matvec<T>& p, const f32x8* x, const float* xsum, int n0,
   // END TASK
 }
 
-// Runs work(begin, end) over [0, rows) cut into one range per core (whole blocks of `block`
-// rows), the last range on this thread. Only a large product is shared: starting a thread
-// costs about what a layer's product takes (measured in the chapter: a decode step ran faster
-// with every layer on one thread, the head on all). An exception in a helper thread is thrown
-// again here, after every thread has ended (escaping a std::thread, it would end the process).
-template <typename F>
-void over_rows(int rows, size_t work_per_row, int block, F work) {
-  const size_t enough = 1 << 22;  // weights worth a thread of their own
-  int threads = std::max(1u, std::thread::hardware_concurrency());
-  threads = std::clamp<int>(rows * work_per_row / enough, 1, threads);
-  int per_thread = (rows + threads - 1) / threads;
-  per_thread = (per_thread + block - 1) / block * block;
-  std::vector<std::exception_ptr> errors(threads);
-  auto run = [&](int t, int begin, int end) {
-    try {
-      work(begin, end);
-    } catch (...) {
-      errors[t] = std::current_exception();
-    }
-  };
-  std::vector<std::thread> helpers;
-  int begin = 0;
-  for (; begin + per_thread < rows; begin += per_thread) {
-    helpers.emplace_back(run, int(helpers.size()), begin, begin + per_thread);
-  }
-  run(helpers.size(), begin, rows);
-  for (auto& t : helpers) {
-    t.join();
-  }
-  for (auto& e : errors) {
-    if (e) {
-      std::rethrow_exception(e);
-    }
-  }
-}
-
 template <int BITS, typename T>
 void matvec_fast_bits(const Matvec<T>& p) {
   // BEGIN TASK Week 5 Day 1, Task 3: x as float blocks and group sums, then rows over the cores
@@ -174,7 +130,7 @@ void matvec_fast_bits(const Matvec<T>& p) {
       xsum[g] = std::accumulate(xf + g * p.group_size, xf + (g + 1) * p.group_size, 0.0f);
     }
     T* y = p.y + size_t(m) * p.N;
-    over_rows(p.N, p.K, R, [&](int begin, int end) {
+    over_ranges(p.N, R, size_t(p.N) * p.K, 1 << 22, [&](int begin, int end) {
       int n = begin;
       for (; n + R <= end; n += R) {
         rows_at_once<BITS, R>(p, x.data(), xsum.data(), n, y);
