@@ -35,6 +35,13 @@ import numpy as np
 from benches import harness
 from benches.ceilings import measure_ceilings
 from benches.model_impls import MlxLmImpl, RefImpl
+from benches.moe_own_kernel import (
+    OWN_KERNEL,
+    kernel_breakdown,
+    own_kernel_moe,
+    own_kernel_target_lines,
+    own_kernel_targets,
+)
 from tiny_llm_support import Checkpoint, Qwen3Config, choose_device, expected_shapes, random_weights
 from tiny_llm_support.cli import add_solution_argument, int_at_least, load_solution
 
@@ -53,25 +60,15 @@ SHAPE_FLAGS = {"experts": "num_experts", "experts_per_token": "num_experts_per_t
                "vocab": "vocab_size"}  # fmt: skip
 FIRST_CONTROL_ID = 151643  # Qwen3's ids from here up are control tokens: prompts stay below
 VARIANTS = ("loop", "grouped", "mlx-lm")
-OWN_KERNEL = "own-kernel"  # --own-kernel: grouped through grouped_matmul (Week 5 Day 3)
 DTYPE = mx.float32  # the CPU's dtype: bf16 matmul is slow there, and gather_mm is fp32-only
 SLOW_S = 1.5  # a first run longer than this counts as a sample: it gains nothing from a warm-up
 AGREEMENT_RTOL = 1e-3  # max |variant - grouped| / max |grouped|, at most
 TARGET_GROUPED_OVER_LOOP = 3.0  # block prefill: loop's time / grouped's time, at least
 TARGET_GROUPED_OVER_MLX_LM = 1.25  # every block row: grouped's time / mlx-lm's time, at most
-TARGET_OWN_OVER_LOOP = 3.0  # 5.3, block prefill: loop's time / own-kernel's time, at least
-TARGET_OWN_OVER_GROUPED_DECODE = 1.0  # 5.3, block decode rows: own-kernel's / grouped's, at most
 
 
 def variants(args) -> tuple[str, ...]:
     return VARIANTS + ((OWN_KERNEL,) if getattr(args, "own_kernel", False) else ())
-
-
-def own_kernel_moe(moe):
-    """A sparse block run grouped through the course's kernel (Week 5 Day 3)."""
-    moe.grouped = True
-    moe.set_expert_matmul("own-kernel")
-    return moe
 
 
 class Disagreement(RuntimeError):
@@ -206,41 +203,6 @@ def bench_block(
     return rows, checks, breakdown
 
 
-def kernel_breakdown(pkg, moe, x: mx.array, repeats: int, block_s: float) -> dict[str, Any]:
-    """Where own-kernel's block time goes at prefill: its three grouped_matmul calls timed alone
-    on the pairs this block routes, sorted by expert, against the block's median (block_s); the
-    rest is the block's MLX ops around them (router, sort, gathers, SwiGLU, weighted sum)."""
-    flat = x.reshape(-1, x.shape[-1])  # [N, H]
-    experts, _ = pkg.route(flat @ moe.w_router.T, moe.top_k, moe.norm_topk_prob)  # [N, k]
-    ids = experts.reshape(-1)
-    order = mx.argsort(ids)
-    tokens = mx.repeat(mx.arange(flat.shape[0]), experts.shape[1])[order]
-    xs, ids = flat[tokens], ids[order].astype(mx.int32)  # [M, H], [M] sorted
-    h = mx.random.normal((xs.shape[0], moe.w_gate.shape[1]), key=mx.random.key(1))  # [M, I]
-    mx.eval(xs, ids, h)
-    calls = {"gate": (xs, moe.w_gate.weight), "up": (xs, moe.w_up.weight),
-             "down": (h, moe.w_down.weight)}  # fmt: skip
-    out: dict[str, Any] = {"pairs": xs.shape[0], "runs": len(np.unique(np.array(ids))),
-                           "block_s": block_s, "calls": {}}  # fmt: skip
-    for name, (a, w) in calls.items():
-        times = []
-        for _ in range(repeats + 1):  # the first one warms up
-            start = time.perf_counter()
-            mx.eval(pkg.grouped_matmul(a, w, ids))
-            times.append(time.perf_counter() - start)
-        t = harness.median(times[1:])
-        flops = 2 * a.shape[0] * a.shape[1] * w.shape[1]
-        out["calls"][name] = {"shape": [a.shape[0], w.shape[1], a.shape[1]], "samples_s": times[1:],
-                              "median_s": t, "gflop_per_s": flops / t / 1e9}  # fmt: skip
-    kernel = sum(c["median_s"] for c in out["calls"].values())
-    flops = sum(c["gflop_per_s"] * c["median_s"] for c in out["calls"].values())
-    out.update({"kernel_s": kernel, "kernel_share": kernel / block_s, "rest_s": block_s - kernel,
-                "kernel_gflop_per_s": flops / kernel})  # fmt: skip
-    harness.log(f"  own-kernel prefill: grouped_matmul {kernel * 1000:.0f} ms of "
-                f"{block_s * 1000:.0f} ms ({flops / kernel:.0f} GFLOP/s)")  # fmt: skip
-    return out
-
-
 def timed_call(block: Callable[[mx.array], mx.array], x: mx.array) -> Call:
     def call():
         start = time.perf_counter()
@@ -332,17 +294,7 @@ def targets(block: list[dict[str, Any]]) -> dict[str, Any]:
                    "met": all(v <= high for v in ratios.values())}  # fmt: skip
     out = {"checked": True, "grouped_speedup_over_loop_prefill": speedup_target,
            "grouped_time_over_mlx_lm": time_target}  # fmt: skip
-    if (prefill, OWN_KERNEL) in at:  # Week 5 Day 3
-        own = at[(prefill, "loop")] / at[(prefill, OWN_KERNEL)]
-        out["own_kernel_speedup_over_loop_prefill"] = {
-            "case": prefill, "value": own, "target_at_least": TARGET_OWN_OVER_LOOP,
-            "met": own >= TARGET_OWN_OVER_LOOP}  # fmt: skip
-        decode = {r["label"]: at[(r["label"], OWN_KERNEL)] / at[(r["label"], "grouped")]
-                  for r in block if r["case"] == "decode"}  # fmt: skip
-        out["own_kernel_time_over_grouped_decode"] = {
-            "values": decode, "target_at_most": TARGET_OWN_OVER_GROUPED_DECODE,
-            "met": all(v <= TARGET_OWN_OVER_GROUPED_DECODE for v in decode.values())}  # fmt: skip
-    return out
+    return out | own_kernel_targets(at, block)  # Week 5 Day 3, with --own-kernel
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -370,14 +322,7 @@ def summary_table(report: dict[str, Any]) -> str:
                      f"{s['case']}: {s['value']:.2f}x, {harness.met(s['met'])}")  # fmt: skip
         lines.append(f"target: grouped within {m['target_at_most']}x of mlx-lm's time: {values}: "
                      f"{harness.met(m['met'])}")  # fmt: skip
-    if "own_kernel_speedup_over_loop_prefill" in t:
-        s, d = t["own_kernel_speedup_over_loop_prefill"], t["own_kernel_time_over_grouped_decode"]
-        values = ", ".join(f"{k} {v:.2f}x" for k, v in d["values"].items())
-        lines.append(f"target: own-kernel at least {s['target_at_least']}x faster than loop at "
-                     f"{s['case']}: {s['value']:.2f}x, {harness.met(s['met'])}")  # fmt: skip
-        lines.append(f"target: own-kernel's decode time at most {d['target_at_most']}x grouped's: "
-                     f"{values}: {harness.met(d['met'])}")  # fmt: skip
-    return "\n".join(lines)
+    return "\n".join(lines + own_kernel_target_lines(t))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
