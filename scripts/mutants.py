@@ -149,7 +149,7 @@ def run_mutant(mutant: Mutant, workdir: Path, timeout: float) -> Mutant:
     """Paste the mutant into a copy of the package and run its day's tests against it."""
     package = Path(tempfile.mkdtemp(dir=workdir)) / "tiny_llm"
     shutil.copytree(REF, package, ignore=shutil.ignore_patterns("__pycache__"))
-    for module in package.glob("*.py"):
+    for module in [*package.glob("*.py"), *package.glob("csrc/*")]:  # csrc: Week 5's C++
         text = mutant.text if module.name == mutant.module else module.read_text()
         module.write_text(text.replace("tiny_llm_ref", "tiny_llm"), encoding="utf-8")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(package.parent), str(ROOT / "src")]))

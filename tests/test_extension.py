@@ -68,6 +68,18 @@ def build_in_fresh_process(package: Path) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
 
 
+def test_a_module_of_another_name_is_one_error_not_a_rebuild_loop(tmp_path):
+    """CMakeLists.txt makes tiny_llm_ref_ext; a package folder named otherwise expects its own
+    name's module: the build ends with an error saying so (not a build started again)."""
+    package = tmp_path / "tiny_llm_other"
+    shutil.copytree(REFERENCE / "csrc", package / "csrc")
+    done = build_in_fresh_process(package)
+    assert done.returncode != 0 and done.stderr.count("building the C++ extension") == 1, (
+        done.stderr
+    )
+    assert "no module tiny_llm_other_ext came out of it" in done.stderr, done.stderr
+
+
 def test_built_once_again_when_a_source_changes_and_compile_errors_shown(tmp_path):
     package = tmp_path / "tiny_llm_ref"  # a copy: its own build folder, beside it
     shutil.copytree(REFERENCE / "csrc", package / "csrc")

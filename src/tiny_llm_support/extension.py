@@ -64,7 +64,7 @@ def _built(sources: Path, build_dir: Path, name: str) -> Path:
     """The path of the built module, building it when its stamp is out of date."""
     stamp = build_dir / "stamp"
     digest = _digest(sources)
-    library = next(build_dir.glob(f"{name}.*.so"), None) or next(build_dir.glob(f"{name}.so"), None)
+    library = _module_file(build_dir, name)
     if library is not None and stamp.exists() and stamp.read_text() == digest:
         return library
     cmake, ninja = _tool("cmake"), _tool("ninja")
@@ -75,9 +75,19 @@ def _built(sources: Path, build_dir: Path, name: str) -> Path:
     configure += [f"-DCMAKE_MAKE_PROGRAM={ninja}", f"-DPython_EXECUTABLE={sys.executable}"]
     _run(configure, "configure")
     _run([cmake, "--build", str(build_dir)], "compile")
+    library = _module_file(build_dir, name)
+    if library is None:
+        raise ExtensionBuildError(
+            f"the C++ extension built, but no module {name} came out of it: "
+            f"{sources / 'CMakeLists.txt'} must name its module {name}"
+        )
     stamp.write_text(digest)
     print(f"built {name} in {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
-    return _built(sources, build_dir, name)
+    return library
+
+
+def _module_file(build_dir: Path, name: str) -> Path | None:
+    return next(build_dir.glob(f"{name}.*.so"), None) or next(build_dir.glob(f"{name}.so"), None)
 
 
 def _digest(sources: Path) -> str:
