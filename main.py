@@ -72,12 +72,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, group=None,
-          quantized_linear=None):  # fmt: skip
+          quantized_linear=None, linear_kernel="mlx"):  # fmt: skip
     """(name of the loop, token iterator): the cached loop if it is written, else Week 1's."""
     eos = ckpt.tokenizer.eos_token_ids
     path = {} if quantized_linear is None else {"quantized_linear": quantized_linear}
     try:
-        model = package.Qwen3Model(ckpt, **path)
+        model = package.Qwen3Model(ckpt, linear_kernel=linear_kernel, **path)
         if group is not None:
             model.shard(group)  # tensor parallelism: Week 4 Day 2
         stream = package.simple_generate_with_kv_cache(
@@ -148,7 +148,14 @@ def run(args: argparse.Namespace) -> int:
     try:
         sampler = package.make_sampler(args.temperature, args.top_k, args.top_p, args.seed)
         loop, stream = start(
-            package, ckpt, prompt_tokens, sampler, max_tokens, group, args.quantized_linear
+            package,
+            ckpt,
+            prompt_tokens,
+            sampler,
+            max_tokens,
+            group,
+            args.quantized_linear,
+            args.linear_kernel,
         )
         print(f"loop: {loop}; prompt: {len(prompt_tokens)} tokens\n")
         detok, n, t_first = tokenizer.detokenizer(), 0, None

@@ -12,7 +12,7 @@ import sys
 from tiny_llm_support import startup
 
 BENCHMARKS = (
-    "chunked-prefill", "flash-attention", "long-context", "model", "moe", "own-kernel",
+    "chunked-prefill", "few-row", "flash-attention", "long-context", "model", "moe", "own-kernel",
     "paged-decode", "prefix-cache",
     "quantization", "ragged-step", "serving", "serving-overhead", "shape-stable", "speculative",
     "structured-output", "tensor-parallel", "token-delivery",

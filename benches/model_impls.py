@@ -82,13 +82,13 @@ class RefImpl:
     For the ablation, parts of the model are replaced by what is passed in (the package's own
     modules are never changed): attention, a core(q, keys, values, mask=...); norm(course
     RMSNorm) -> the norm to use instead; rope(course RoPE, base) -> the RoPE to use instead.
+    linear_kernel: as for Qwen3Model (5.4).
     """
 
-    def __init__(
-        self, pkg, ckpt: Checkpoint, batch_cache: str, attention=None, norm=None, rope=None
-    ):
+    def __init__(self, pkg, ckpt: Checkpoint, batch_cache: str, attention=None, norm=None,
+                 rope=None, linear_kernel: str = "mlx"):  # fmt: skip
         self.pkg, self.batch_cache = pkg, batch_cache
-        self.model = pkg.Qwen3Model(ckpt)
+        self.model = pkg.Qwen3Model(ckpt, linear_kernel=linear_kernel)  # Week 5 Day 4
         layers = self.model.layers
         if norm is not None:
             for layer in layers:

@@ -275,6 +275,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-id", help="with --url: the model name to send")
     p.add_argument("--traces", nargs="+", choices=tuple(TRACES), default=list(TRACES))
     p.add_argument("--requests", type=int_at_least(1), help="the first N of each trace")
+    p.add_argument("--max-tokens", type=int_at_least(1), help="every request asks for N tokens")
     p.add_argument("--rates", type=float, nargs="+", default=[0.05, 0.2, 0.8],
                    help="arrival rates, requests/s (Poisson)")  # fmt: skip
     p.add_argument("--seed", type=int_at_least(0), default=0, help="arrivals, hang-ups, weights")
@@ -300,7 +301,9 @@ def main(argv=None) -> int:
     harness.set_output_paths(p, args, harness.RESULTS / default)
     if not args.url and not is_shape(args.model):
         harness.check_checkpoint_arg(p, args.model)  # a shape's random weights are our own
-    traces = [read_trace(name, TRACES[name], args.requests) for name in args.traces]
+    traces = [
+        read_trace(name, TRACES[name], args.requests, args.max_tokens) for name in args.traces
+    ]
     harness.write_report(args, run_benchmark(args, traces), summary_table, plot)
     return 0
 

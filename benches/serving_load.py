@@ -77,8 +77,16 @@ class Trace:
                 "max_tokens": sorted({j.max_tokens for j in self.jobs})}  # fmt: skip
 
 
-def read_trace(name: str, path: Path, limit: int | None) -> Trace:
-    """The first `limit` requests of a trace (agent: every first turn, then every second...)."""
+def read_trace(name: str, path: Path, limit: int | None, max_tokens: int | None = None) -> Trace:
+    """The first `limit` requests of a trace (agent: every first turn, then every second...),
+    each asking for `max_tokens` tokens if given (else the trace's own numbers)."""
+    trace = read_trace_file(name, path, limit)
+    for job in trace.jobs if max_tokens else ():
+        job.max_tokens = max_tokens
+    return trace
+
+
+def read_trace_file(name: str, path: Path, limit: int | None) -> Trace:
     raw = path.read_bytes()
     data, sha = json.loads(raw), hashlib.sha256(raw).hexdigest()
     if name == "chat":

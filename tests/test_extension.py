@@ -2,6 +2,7 @@
 names it, a bad call is refused before MLX's graph gets a node, an unchanged extension is not
 built again and a changed one is, a compile error shows the compiler's message."""
 
+import os
 import shutil
 import subprocess
 import sys
@@ -166,3 +167,53 @@ def test_bad_grouped_calls_are_refused_when_the_op_is_made(change, says):
     with pytest.raises(ValueError, match="grouped_matmul: ") as caught:
         tiny_llm_ref.grouped_matmul(*change(grouped_inputs()))
     assert says in str(caught.value), str(caught.value)
+
+
+# --- Week 5 Day 4: the few-row matmul ------------------------------------------------------------
+
+
+def test_without_a_compiler_the_model_falls_back_to_mlx_in_one_line(tmp_path):
+    """A copy of the reference (its own build folder, nothing built) on a PATH with no compiler:
+    linear_kernel="auto" notes why in one line and uses MLX's matmul; "few-row" is an error."""
+    shutil.copytree(
+        REFERENCE, tmp_path / "tiny_llm_ref", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    code = (
+        f"import sys; sys.path.insert(0, {str(tmp_path)!r}); import tiny_llm_ref as ref\n"
+        "from tiny_llm_support import load_checkpoint, make_tiny_checkpoint\n"
+        f"ckpt = load_checkpoint(make_tiny_checkpoint({str(tmp_path / 'ckpt')!r}))\n"
+        "assert ref.__file__.startswith(sys.path[0]), ref.__file__\n"
+        "print('auto ->', ref.Qwen3Model(ckpt, linear_kernel='auto').linear_kernel)\n"
+        "try:\n    ref.Qwen3Model(ckpt, linear_kernel='few-row')\n"
+        "except RuntimeError as e:\n    print('few-row ->', e)\n"
+    )
+    env = {**os.environ, "PATH": str(tmp_path / "no-tools")}
+    env.pop("CXX", None)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "auto -> mlx" in done.stdout, done.stdout
+    notes = [line for line in done.stderr.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "no C++ compiler found" in notes[0], done.stderr
+    assert "few-row -> linear_kernel='few-row' cannot run" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    "x_shape,w_shape,w_dtype,says",
+    [
+        ((2, 64), (8, 32), mx.float32, "must end in w's K"),
+        ((2, 64), (8, 64), mx.float16, "of x's dtype"),
+        ((2, 64), (2, 8, 64), mx.float32, r"a matrix \[N, K\]"),
+    ],
+)
+def test_bad_few_row_inputs_are_refused_when_the_op_is_made(x_shape, w_shape, w_dtype, says):
+    with pytest.raises(ValueError, match=says):
+        tiny_llm_ref.few_row_matmul(mx.zeros(x_shape), mx.zeros(w_shape, dtype=w_dtype))
+
+
+def test_bad_packed_few_row_calls_are_refused_when_the_op_is_made():
+    codes, scales, biases = parts(8, 64, 64, 4)
+    with pytest.raises(ValueError, match="few_row_quantized_matmul: x .* must end in K = 64"):
+        tiny_llm_ref.few_row_quantized_matmul(mx.zeros((2, 32)), codes, scales, biases, 64, 4)
+    with pytest.raises(ValueError, match="few_row_matmul: x must be float32"):
+        tiny_llm_ref.few_row_matmul(mx.zeros((2, 8), dtype=mx.int32), mx.zeros((4, 8)))

@@ -60,3 +60,24 @@ def grouped_matmul(x: mx.array, w: mx.array, experts: mx.array, fast: bool = Tru
     a row whose expert is outside [0, E) comes out NaN). fast=False runs the plain loop (Task 1),
     fast=True the tiled kernel (Tasks 2 and 3)."""
     return extension().grouped_matmul(x, w, experts.astype(mx.int32), fast)
+
+
+def few_row_matmul(x: mx.array, w: mx.array, fast: bool = True) -> mx.array:
+    """x [..., K] @ w.T -> [..., N] for a float weight w [N, K] of x's dtype, on the CPU (Week 5
+    Day 4): made for a few rows of x (1 to 16), each weight read once for all of them.
+    fast=False runs the plain loop (Task 1), fast=True the tiled kernel (Tasks 2 and 3)."""
+    return extension().few_row_matmul(x, w, fast)
+
+
+def few_row_quantized_matmul(
+    x: mx.array,
+    codes: mx.array,
+    scales: mx.array,
+    biases: mx.array,
+    group_size: int = 64,
+    bits: int = 4,
+    fast: bool = True,
+) -> mx.array:
+    """few_row_matmul for a weight in MLX's affine format (codes [N, K*bits/32] uint32, scales
+    and biases [N, K/group_size] in x's dtype), each code unpacked once for every row of x."""
+    return extension().few_row_quantized_matmul(x, codes, scales, biases, group_size, bits, fast)

@@ -13,6 +13,14 @@ from .basics import linear, silu, softmax
 from .batch import batch_generate
 from .batching_kv_cache import BatchingKvCache
 from .engine import MAX_CHOICES, Engine, RequestOutput, RequestRefused, stop_cut
+from .few_row import (
+    FEW_ROW_MAX_ROWS,
+    LINEAR_KERNELS,
+    FewRowWeight,
+    choose_linear_kernel,
+    few_row_problem,
+    use_few_row_kernel,
+)
 from .flash_attention import (
     block_partial,
     flash_attention,
@@ -21,7 +29,13 @@ from .flash_attention import (
 )
 from .fork import can_fork, fork_prefix
 from .generate import simple_generate, simple_generate_with_kv_cache
-from .kernels import grouped_matmul, paged_decode_attention, quantized_matvec
+from .kernels import (
+    few_row_matmul,
+    few_row_quantized_matmul,
+    grouped_matmul,
+    paged_decode_attention,
+    quantized_matvec,
+)
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .layer_norm import RMSNorm
 from .logprobs import TokenLogprob, prompt_logprobs, record_logprobs, token_logprobs
@@ -115,6 +129,14 @@ __all__ = [
     "window_mask",
     "windowed_attention",
     "EXPERT_MATMULS",
+    "FEW_ROW_MAX_ROWS",
+    "LINEAR_KERNELS",
+    "FewRowWeight",
+    "choose_linear_kernel",
+    "few_row_problem",
+    "use_few_row_kernel",
+    "few_row_matmul",
+    "few_row_quantized_matmul",
     "ExpertParallelMoE",
     "OwnKernelExperts",
     "Qwen3SparseMoE",

@@ -13,6 +13,7 @@ from tiny_llm_support import Checkpoint, Qwen3Config, check_quant_format
 
 from .attention import causal_mask, scaled_dot_product_attention_grouped
 from .basics import linear
+from .few_row import choose_linear_kernel, use_few_row_kernel
 from .kv_cache import TinyKvCache, TinyKvFullCache
 from .mlp import Qwen3MLP
 from .moe import ExpertParallelMoE, Qwen3SparseMoE
@@ -167,6 +168,8 @@ class Qwen3Model(Qwen3ModelWeek1):
     Qwen3ModelWeek1; kv_bits=8 makes create_kv_cache hand out quantized caches (INT8, groups
     of kv_group_size along the head dimension). expert_matmul (Week 5 Day 3): how the sparse
     layers multiply their grouped pairs, one of EXPERT_MATMULS ("own-kernel": the course's kernel).
+    linear_kernel (Week 5 Day 4): "few-row" sends the passes of at most FEW_ROW_MAX_ROWS rows
+    of every linear layer through the course's few-row kernel, "auto" does when it runs here.
     """
 
     attention_cls = Qwen3AttentionWithCache
@@ -183,6 +186,7 @@ class Qwen3Model(Qwen3ModelWeek1):
         kv_bits: int | None = None,
         kv_group_size: int = 64,
         expert_matmul: str = "gather-mm",
+        linear_kernel: str = "mlx",
     ):
         if kv_bits is not None:
             check_quant_format(kv_group_size, kv_bits, "Qwen3Model kv cache")
@@ -203,6 +207,9 @@ class Qwen3Model(Qwen3ModelWeek1):
         for layer in self.layers:
             if isinstance(layer.mlp, Qwen3SparseMoE):
                 layer.mlp.set_expert_matmul(expert_matmul)  # Week 5 Day 3
+        self.linear_kernel = choose_linear_kernel(linear_kernel)  # Week 5 Day 4
+        if self.linear_kernel == "few-row":
+            use_few_row_kernel(self)
         if compiled:
             for layer in self.layers:
                 if isinstance(layer.mlp, Qwen3SparseMoE):
@@ -217,6 +224,9 @@ class Qwen3Model(Qwen3ModelWeek1):
         """
         if self.group is not None:
             raise ValueError(f"the model is already sharded over {self.group.size()} ranks")
+        if self.linear_kernel == "few-row":  # the shards are new arrays: MLX's matmul
+            use_few_row_kernel(self, on=False)
+            self.linear_kernel = "mlx"
         blocks = [getattr(layer, "block", layer) for layer in self.layers]  # unwrap compiled
         held = [(b.self_attn.wq, b.self_attn.wk, b.self_attn.wv, b.self_attn.wo) for b in blocks]
         held += [(b.mlp.w_gate, b.mlp.w_up, b.mlp.w_down) for b in blocks]

@@ -197,9 +197,10 @@ def build_model(package: Any, ckpt: Any, args: argparse.Namespace) -> Any:
     """The solution's Qwen3Model with these settings (compiled or not)."""
     # --quantized-linear is passed only when given: the package's own default otherwise
     path = {} if args.quantized_linear is None else {"quantized_linear": args.quantized_linear}
-    if args.compile:
-        return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, compiled=True, **path)
-    return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, **path)
+    kernel = getattr(args, "linear_kernel", "mlx")  # Week 5 Day 4
+    return package.Qwen3Model(
+        ckpt, max_seq_len=args.max_seq_len, compiled=args.compile, linear_kernel=kernel, **path
+    )
 
 
 def make_pools(model: Any, args: argparse.Namespace) -> list | None:

@@ -14,7 +14,7 @@ from types import ModuleType
 from .checkpoint import DTYPES
 from .device import NO_OPENBLAS_ENV, OPENBLAS_HINT, blas_info, openblas_path, reexec_with_openblas
 from .models import SHORTCUTS, resolve_model
-from .quant_format import QUANTIZED_LINEAR_PATHS
+from .quant_format import LINEAR_KERNELS, QUANTIZED_LINEAR_PATHS
 from .startup import run as run_guarded
 
 __all__ = [
@@ -74,8 +74,8 @@ class DefaultsHelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
     """A parser with what the demo scripts take: --model, --solution, --device,
-    --quantized-linear, and --tp with --hostfile (tensor-parallel ranks, Week 4 Day 2; check
-    them with ranks_problem)."""
+    --quantized-linear, --linear-kernel, and --tp with --hostfile (tensor-parallel ranks, Week 4
+    Day 2; check them with ranks_problem)."""
     p = argparse.ArgumentParser(
         prog=prog, description=description, formatter_class=DefaultsHelpFormatter
     )
@@ -88,6 +88,13 @@ def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
         default=None,
         help="how a quantized checkpoint's layers multiply (Week 4 Day 1; own-kernel: your C++ "
         "kernel of Week 5 Day 1, codes kept packed; default: the faster on the device)",
+    )
+    p.add_argument(
+        "--linear-kernel",
+        choices=LINEAR_KERNELS,
+        default="auto",
+        help="what multiplies the passes of up to 16 rows of every linear layer (Week 5 Day 4): "
+        "few-row is your C++ kernel; auto uses it on the CPU when it runs, else MLX's matmul",
     )
     add_tp_arguments(p)
     return p

@@ -14,6 +14,9 @@ QUANT_BITS = (2, 4, 8)
 QUANT_GROUP_SIZES = (32, 64, 128)
 # How the model multiplies by a quantized weight (Week 4 Day 1; "own-kernel": Week 5 Day 1)
 QUANTIZED_LINEAR_PATHS = ("dequantize-at-load", "kernel", "dequantize-per-call", "own-kernel")
+# What multiplies the few-row passes of every linear layer (Week 5 Day 4; "auto": the course's
+# few-row kernel on the CPU when it runs here, else MLX's matmul)
+LINEAR_KERNELS = ("auto", "mlx", "few-row")
 
 
 def check_quant_format(group_size: int, bits: int, source: str | Path) -> None:

@@ -42,28 +42,6 @@ void matvec_plain(const Matvec<T>& p) {
 // bias taken out of the inner loop, the next rows' codes prefetched, a large product shared
 // among the cores.
 
-// Eight lanes of uint32, as f32x8 (common.h) holds eight floats.
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-// The codes of block b (codes 8b .. 8b+7) of one weight row, as floats.
-template <int BITS>
-inline f32x8 eight_codes(const uint32_t* row, size_t b) {
-  constexpr uint32_t top = (1u << BITS) - 1;
-  u32x8 words, shifts;
-  if constexpr (BITS == 4) {  // one word holds the block
-    words = u32x8{} + row[b];
-    shifts = u32x8{0, 4, 8, 12, 16, 20, 24, 28};
-  } else if constexpr (BITS == 8) {  // two words
-    uint32_t lo = row[2 * b], hi = row[2 * b + 1];
-    words = u32x8{lo, lo, lo, lo, hi, hi, hi, hi};
-    shifts = u32x8{0, 8, 16, 24, 0, 8, 16, 24};
-  } else {  // BITS == 2: half a word
-    words = u32x8{} + (row[b / 2] >> (b % 2 * 16));
-    shifts = u32x8{0, 2, 4, 6, 8, 10, 12, 14};
-  }
-  return __builtin_convertvector((words >> shifts) & top, f32x8);
-}
-
 // y[n0 .. n0+R-1] for one row of x, given as float blocks x [K / 8] and the sum of each of its
 // groups, xsum [K / group_size].
 template <int BITS, int R, typename T>
@@ -127,22 +105,11 @@ bool QuantizedMatvec::is_equivalent(const mx::Primitive& other) const {
   return group_size_ == o.group_size_ && bits_ == o.bits_ && fast_ == o.fast_;
 }
 
-namespace {
-
-std::string shape_of(const mx::array& a) {
-  std::string s = "[";
-  for (int i = 0; i < a.ndim(); ++i) {
-    s += (i ? ", " : "") + std::to_string(a.shape(i));
-  }
-  return s + "]";
-}
-
 // Every check before the node is made: a bad call fails here, with the shapes it got.
-void check_inputs(const mx::array& x, const mx::array& codes, const mx::array& scales,
-                  const mx::array& biases, int group_size, int bits) {
-  auto fail = [](const std::string& what) {
-    throw std::invalid_argument("quantized_matvec: " + what);
-  };
+void check_quantized_inputs(const std::string& op, const mx::array& x, const mx::array& codes,
+                            const mx::array& scales, const mx::array& biases, int group_size,
+                            int bits) {
+  auto fail = [&op](const std::string& what) { throw std::invalid_argument(op + ": " + what); };
   if (bits != 2 && bits != 4 && bits != 8) {
     fail("bits must be 2, 4 or 8, got " + std::to_string(bits));
   }
@@ -171,6 +138,8 @@ void check_inputs(const mx::array& x, const mx::array& codes, const mx::array& s
   }
 }
 
+namespace {
+
 // A kernel that throws (a task not written yet) must fail where Python sees it. Thrown on
 // MLX's thread, an exception reaches Python once at best, and later evaluations read whatever
 // the output's memory held. So each kernel first runs here, once, on a small problem.
@@ -191,7 +160,7 @@ void try_kernel(bool fast) {
 
 mx::array quantized_matvec(const mx::array& x, const mx::array& codes, const mx::array& scales,
                            const mx::array& biases, int group_size, int bits, bool fast) {
-  check_inputs(x, codes, scales, biases, group_size, bits);
+  check_quantized_inputs("quantized_matvec", x, codes, scales, biases, group_size, bits);
   try_kernel(fast);
   mx::Stream stream = mx::default_stream(mx::Device::cpu);
   mx::Shape shape = x.shape();

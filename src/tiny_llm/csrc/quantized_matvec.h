@@ -5,6 +5,8 @@
 #include <mlx/primitives.h>
 #include <mlx/utils.h>
 
+#include <string>
+
 namespace kernels {
 
 namespace mx = mlx::core;
@@ -21,6 +23,17 @@ mx::array quantized_matvec(
     int group_size,
     int bits,
     bool fast);
+
+// Raises std::invalid_argument (ValueError in Python), naming `op`, unless x [..., K], codes,
+// scales and biases are one weight of that format (Day 4's kernel reads the same format).
+void check_quantized_inputs(
+    const std::string& op,
+    const mx::array& x,
+    const mx::array& codes,
+    const mx::array& scales,
+    const mx::array& biases,
+    int group_size,
+    int bits);
 
 // One node of MLX's graph: it says how to compute its output from its inputs, and runs when
 // the output is evaluated (mx.eval), not when the node is made.

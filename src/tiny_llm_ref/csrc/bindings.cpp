@@ -5,6 +5,7 @@
 #include "quantized_matvec.h"
 #include "grouped_matmul.h"
 #include "paged_attention.h"
+#include "few_row_matmul.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -20,4 +21,11 @@ NB_MODULE(tiny_llm_ref_ext, m) {
   m.def("grouped_matmul", &kernels::grouped_matmul, "x"_a, "w"_a, "experts"_a, "fast"_a,
         "y [M, N] with y[i] = x[i] @ w[experts[i]].T, for x [M, K], w [E, N, K] and experts "
         "[M] int32 sorted ascending (on the CPU).");
+  m.def("few_row_matmul", &kernels::few_row_matmul, "x"_a, "w"_a, "fast"_a,
+        "x [..., K] @ w.T [..., N] for a float weight w [N, K], made for a few rows of x "
+        "(on the CPU).");
+  m.def("few_row_quantized_matmul", &kernels::few_row_quantized_matmul, "x"_a, "codes"_a,
+        "scales"_a, "biases"_a, "group_size"_a, "bits"_a, "fast"_a,
+        "x [..., K] @ W.T [..., N] for W [N, K] in MLX's affine format, made for a few rows "
+        "of x (on the CPU).");
 }

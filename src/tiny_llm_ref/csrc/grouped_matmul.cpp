@@ -196,14 +196,6 @@ bool GroupedMatmul::is_equivalent(const mx::Primitive& other) const {
 
 namespace {
 
-std::string shape_of(const mx::array& a) {
-  std::string s = "[";
-  for (int i = 0; i < a.ndim(); ++i) {
-    s += (i ? ", " : "") + std::to_string(a.shape(i));
-  }
-  return s + "]";
-}
-
 // Every check before the node is made: a bad call fails here, with the shapes it got.
 void check_inputs(const mx::array& x, const mx::array& w, const mx::array& experts) {
   auto fail = [](const std::string& what) {
