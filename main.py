@@ -72,12 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def start(package, ckpt, prompt_tokens: list[int], sampler, max_tokens: int, group=None,
-          quantized_linear=None, linear_kernel="mlx"):  # fmt: skip
-    """(name of the loop, token iterator): the cached loop if it is written, else Week 1's."""
+          options=None):  # fmt: skip
+    """(name of the loop, token iterator): the cached loop if it is written, else Week 1's.
+    options: Qwen3Model's keywords (cli.model_options)."""
     eos = ckpt.tokenizer.eos_token_ids
-    path = {} if quantized_linear is None else {"quantized_linear": quantized_linear}
+    options = options or {}
+    path = {k: v for k, v in options.items() if k == "quantized_linear"}  # Week 1's model's too
     try:
-        model = package.Qwen3Model(ckpt, linear_kernel=linear_kernel, **path)
+        model = package.Qwen3Model(ckpt, **options)
         if group is not None:
             model.shard(group)  # tensor parallelism: Week 4 Day 2
         stream = package.simple_generate_with_kv_cache(
@@ -147,16 +149,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     try:
         sampler = package.make_sampler(args.temperature, args.top_k, args.top_p, args.seed)
-        loop, stream = start(
-            package,
-            ckpt,
-            prompt_tokens,
-            sampler,
-            max_tokens,
-            group,
-            args.quantized_linear,
-            args.linear_kernel,
-        )
+        options = cli.model_options(package, args)
+        loop, stream = start(package, ckpt, prompt_tokens, sampler, max_tokens, group, options)
         print(f"loop: {loop}; prompt: {len(prompt_tokens)} tokens\n")
         detok, n, t_first = tokenizer.detokenizer(), 0, None
         stop = "max tokens" if max_tokens == args.max_tokens else f"the {limit}-position limit"

@@ -57,6 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = cli.script_parser(
         "serve", "An OpenAI-compatible server (/v1/chat/completions, /v1/completions)."
     )
+    p.set_defaults(linear_kernel="auto")  # the fastest design by default, as for the engine
     p.add_argument(
         "--host", default="127.0.0.1", help="address to listen on (another one: set --api-key)"
     )

@@ -815,8 +815,16 @@ def unfinished_start_up(tmp_path, package, flags) -> str:
     """Start the server on the student package `package` with `flags`: it must stop before it
     listens, with one line saying that tiny_llm is not finished yet. That line."""
     env = offline_env(tmp_path, PYTHONPATH=str(package.parent))
-    result = serve_until_it_stops(
-        env, "--solution", "tiny_llm", "--port", "0", *ENGINE_FLAGS, *flags
+    result = serve_until_it_stops(  # a copy of the reference: its C++ is not what is tested
+        env,
+        "--solution",
+        "tiny_llm",
+        "--port",
+        "0",
+        "--linear-kernel",
+        "mlx",
+        *ENGINE_FLAGS,
+        *flags,
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "serving" not in result.stdout

@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from . import kv_memory
-from .cli import UsageError, int_at_least, model_path
+from .cli import UsageError, int_at_least, model_options, model_path
 from .speculative_settings import (
     add_speculative_arguments,
     check_speculative_arguments,
@@ -195,12 +195,10 @@ def check_model(
 
 def build_model(package: Any, ckpt: Any, args: argparse.Namespace) -> Any:
     """The solution's Qwen3Model with these settings (compiled or not)."""
-    # --quantized-linear is passed only when given: the package's own default otherwise
-    path = {} if args.quantized_linear is None else {"quantized_linear": args.quantized_linear}
-    kernel = getattr(args, "linear_kernel", "mlx")  # Week 5 Day 4
-    return package.Qwen3Model(
-        ckpt, max_seq_len=args.max_seq_len, compiled=args.compile, linear_kernel=kernel, **path
-    )
+    options = model_options(package, args)  # --quantized-linear, --linear-kernel
+    if args.compile:
+        return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, compiled=True, **options)
+    return package.Qwen3Model(ckpt, max_seq_len=args.max_seq_len, **options)
 
 
 def make_pools(model: Any, args: argparse.Namespace) -> list | None:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from .checkpoint import DTYPES
 from .device import NO_OPENBLAS_ENV, OPENBLAS_HINT, blas_info, openblas_path, reexec_with_openblas
@@ -32,6 +34,7 @@ __all__ = [
     "load_solution",
     "MODEL_HELP",
     "model_note",
+    "model_options",
     "model_path",
     "printable",
     "ranks_problem",
@@ -92,12 +95,26 @@ def script_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument(
         "--linear-kernel",
         choices=LINEAR_KERNELS,
-        default="auto",
+        default="mlx",
         help="what multiplies the passes of up to 16 rows of every linear layer (Week 5 Day 4): "
-        "few-row is your C++ kernel; auto uses it on the CPU when it runs, else MLX's matmul",
+        "few-row is your C++ kernel; auto uses it on the CPU when it runs, else MLX's matmul "
+        "(serve's default)",
     )
     add_tp_arguments(p)
     return p
+
+
+def model_options(package: ModuleType, args: argparse.Namespace) -> dict[str, Any]:
+    """Qwen3Model's keywords from --quantized-linear and --linear-kernel, each passed only when it
+    can matter: --quantized-linear when given (else the solution's own default), --linear-kernel
+    when the solution's Qwen3Model takes it (a stand-in, or a solution from before Week 5 Day 4,
+    does not)."""
+    options: dict[str, Any] = {}
+    if getattr(args, "quantized_linear", None) is not None:
+        options["quantized_linear"] = args.quantized_linear
+    if "linear_kernel" in inspect.signature(package.Qwen3Model).parameters:
+        options["linear_kernel"] = getattr(args, "linear_kernel", "mlx")
+    return options
 
 
 def add_engine_arguments(p: argparse.ArgumentParser, serving: bool = False) -> None:
