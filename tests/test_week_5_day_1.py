@@ -15,7 +15,7 @@ ours may), and the model on the dequantize-at-load and kernel paths (logits, gre
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, kernel_tolerance
 
 from tiny_llm_support import load_checkpoint, make_tiny_checkpoint
 
@@ -34,14 +34,6 @@ def quantized(rows: int, cols: int, group_size: int, bits: int, dtype, seed: int
 def x_rows(rows: int, cols: int, dtype, seed: int) -> mx.array:
     x = np.random.RandomState(seed + 100).standard_normal((rows, cols)).astype(np.float32)
     return mx.array(x).astype(dtype)
-
-
-def tolerance(dtype, want: np.ndarray) -> float:
-    """float32: MLX's tolerance; a half type: a few roundings of the output's size."""
-    if dtype == mx.float32:
-        return 1e-4 * (1 + np.abs(want).max())
-    eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
-    return 4 * eps * (1 + np.abs(want).max())
 
 
 def likely_bug(got: np.ndarray, x: np.ndarray, parts, exact: np.ndarray, group_size, bits, tol):
@@ -91,7 +83,7 @@ def check_kernel(impl, rows, cols, m, group_size, bits, dtype, fast, seed=0):
         )
     else:
         want = xs @ w.T
-    tol = tolerance(dtype, want)
+    tol = kernel_tolerance(dtype, want)
     err = np.abs(got - want).max()
     if err > tol:
         hint = likely_bug(got, xs, parts, xs @ w.T, group_size, bits, tol)

@@ -20,7 +20,7 @@ import math
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_close, prompt_with_tokens, serve_greedy
+from helpers import assert_close, kernel_tolerance, prompt_with_tokens, serve_greedy
 
 DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
 JUNK = 100.0  # every value slot no row may read: past a row's length, padding, unused pages
@@ -145,17 +145,10 @@ class Case:
         return f"(row, query head) pairs {bad[:6].tolist()} differ"
 
 
-def tolerance(dtype, want: np.ndarray) -> float:
-    if dtype == mx.float32:
-        return 1e-4 * (1 + np.abs(want).max())
-    eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
-    return 4 * eps * (1 + np.abs(want).max())
-
-
 def check(impl, case: Case, fast: bool, what: str):
     got = np.array(case.run(impl, fast))
     want = np.array(case.mlx_oracle())
-    tol = tolerance(case.dtype, want)
+    tol = kernel_tolerance(case.dtype, want)
     err = np.abs(got - want).max()
     assert err <= tol, (
         f"{what}: off by {err:.3g} (tolerance {tol:.3g}) from MLX's attention over the gathered "
@@ -197,7 +190,7 @@ def test_plain_walk_equals_week3_paged_attention(impl):
     pool.key_pages, pool.value_pages = case.keys, case.values
     want = impl.paged_attention(case.q[:, :, None], pool, case.tables, case.lengths)[:, :, 0]
     got = case.run(impl, False)
-    tol = tolerance(mx.float32, np.array(want))
+    tol = kernel_tolerance(mx.float32, np.array(want))
     assert np.abs(np.array(got) - np.array(want)).max() <= tol, (
         f"the plain walk differs from paged_attention; likely: {case.likely_bug(np.array(got), tol)}"
     )

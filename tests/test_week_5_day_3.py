@@ -16,7 +16,7 @@ the product in float64 (float16 and bfloat16), and the block and model on mx.gat
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_close
+from helpers import assert_close, kernel_tolerance
 
 from tiny_llm_support import load_checkpoint, make_tiny_moe_checkpoint, quantize_checkpoint
 
@@ -54,13 +54,6 @@ def exact(x, w, experts) -> np.ndarray:
     """y[i] = x[i] @ w[experts[i]].T in float64."""
     xs, ws, ids = f64(x), f64(w), np.array(experts)
     return np.einsum("mk,mnk->mn", xs, ws[ids])
-
-
-def tolerance(dtype, want: np.ndarray) -> float:
-    if dtype == mx.float32:
-        return 1e-4 * (1 + np.abs(want).max())
-    eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
-    return 4 * eps * (1 + np.abs(want).max())
 
 
 def likely_bug(got: np.ndarray, x, w, experts, tol) -> str:
@@ -133,7 +126,7 @@ def check(impl, x, w, experts, fast, what, oracles=True):
             rows = np.flatnonzero(ids == e)
             loop[rows] = np.array(x[mx.array(rows)] @ w[int(e)].T)
         wants["a plain matmul per expert"] = loop
-    tol = tolerance(x.dtype, want)
+    tol = kernel_tolerance(x.dtype, want)
     g = f64(got)
     for oracle, value in wants.items():
         err = np.abs(g - value).max()

@@ -19,7 +19,7 @@ import importlib
 import mlx.core as mx
 import numpy as np
 import pytest
-from helpers import assert_close, prompt_with_tokens, serve_greedy
+from helpers import assert_close, kernel_tolerance, prompt_with_tokens, serve_greedy
 
 from tiny_llm_support import load_checkpoint, make_tiny_checkpoint
 
@@ -34,14 +34,6 @@ def random(shape, seed: int, dtype=mx.float32) -> mx.array:
 
 def as64(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32), dtype=np.float64)
-
-
-def tolerance(dtype, want: np.ndarray) -> float:
-    """float32: MLX's tolerance; a half type: a few roundings of the output's size."""
-    if dtype == mx.float32:
-        return 1e-4 * (1 + np.abs(want).max())
-    eps = 2.0**-7 if dtype == mx.bfloat16 else 2.0**-10
-    return 4 * eps * (1 + np.abs(want).max())
 
 
 def likely_bug(got: np.ndarray, x: np.ndarray, w: np.ndarray, tol: float) -> str:
@@ -95,7 +87,7 @@ def check(impl, m: int, n: int, k: int, dtype, fast: bool, seed: int = 0) -> Non
     assert got.dtype == dtype, f"the output is {got.dtype}: it keeps x's dtype, {dtype}"
     xs, ws = as64(x), as64(w)
     want = as64(x @ w.T) if dtype == mx.float32 else xs @ ws.T
-    tol = tolerance(dtype, want)
+    tol = kernel_tolerance(dtype, want)
     err = np.abs(as64(got) - want).max()
     if err > tol:
         pytest.fail(
@@ -113,7 +105,7 @@ def check_packed(impl, m: int, n: int, k: int, group_size: int, bits: int, fast:
     mx.eval(got)
     want = mx.quantized_matmul(x, *parts, transpose=True, group_size=group_size, bits=bits)
     w = as64(mx.dequantize(*parts, group_size=group_size, bits=bits))
-    tol = tolerance(mx.float32, as64(want))
+    tol = kernel_tolerance(mx.float32, as64(want))
     err = np.abs(as64(got) - as64(want)).max() if got.shape == want.shape else np.inf
     if err > tol:
         hint = likely_bug(as64(got), as64(x), w, tol) if got.shape == want.shape else "a shape"
