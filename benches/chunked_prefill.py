@@ -1,16 +1,11 @@
 """Week 3 Day 2: decode stalls against throughput, for several chunked-prefill budgets.
 
 One seeded trace (random prompt ids, an output budget per request) is served once per setting:
-a prefill budget (--prefill-steps, prompt tokens per scheduler iteration), a scheduler
-(--policy: batch_generate's, or mlx-lm's BatchGenerator) and, with --page-size and
---pool-fractions, a page pool sized from the pages a first, unbounded run held at its peak
-(Week 3 Day 6). Every (setting, repeat) runs in a fresh process after --warmup unmeasured runs;
-the repeats alternate forward and reverse order. Chapter 3.2 explains the numbers.
+a prefill budget (--prefill-steps), a scheduler (--policy) and, with --pool-fractions, a page
+pool sized from the pages an unbounded run held at its peak (Week 3 Day 6). Every (setting,
+repeat) runs in a fresh process after --warmup unmeasured runs.
 
     pdm run bench-chunked-prefill --model qwen3-0.6b --num-layers 4 --prefill-steps 32 128 512
-
-Writes benches/results/chunked-prefill-<model>.json (summary.budgets: each setting's median,
-min and max over its runs) and a PNG of p95 decode gap against output throughput.
 """
 
 from __future__ import annotations
@@ -50,18 +45,29 @@ COLUMNS = {  # the table's medians: head -> (metric, format)
 }  # fmt: skip
 
 
-# --- one run, in its own process ------------------------------------------------------------
-
-
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """Load the model, warm up, serve the trace once: the run's record."""
+    """In a run's own process: load the model, warm up, serve the trace once."""
     args, setting = argparse.Namespace(**spec["args"]), spec["setting"]
     t0 = time.perf_counter()
     device = choose_device(args.device)
     trace, warm = Trace(**spec["trace"]), Trace(**spec["warmup_trace"])
     _, ckpt = harness.load_weights(spec["model"], args.dtype)
-    seq_len = max(trace.max_seq_len, warm.max_seq_len)
-    run, options, pools = server(args, setting, ckpt, seq_len)
+    options, pools = {}, None  # pools None: dense caches
+    if setting["policy"] == "mlx-lm":
+        model = mlx_lm_qwen3(ckpt)
+        run = lambda t: serve_mlx_lm(model, t, args.batch_size, setting["prefill_step"])
+    else:
+        api = load_solution(args.solution)
+        compiled = {"compiled": True} if args.compile else {}
+        seq_len = max(trace.max_seq_len, warm.max_seq_len)
+        model = api.Qwen3Model(ckpt, max_seq_len=seq_len, **compiled)
+        options = {"batch_size": args.batch_size, "prefill_step": setting["prefill_step"]}
+        if setting["policy"] != "alternate":  # a solution before Week 3 Day 4 has no policy
+            options["policy"] = setting["policy"]
+        if args.page_size:  # max_pages None: an unbounded pool
+            in_place = {"read_in_place": True} if args.read_in_place else {}
+            pools = model.create_kv_pools(args.page_size, setting["max_pages"], **in_place)
+        run = lambda t: serve(api, model, t, options, pools=pools)
     load_s = time.perf_counter() - t0
     warmup_s = []
     for _ in range(args.warmup):
@@ -80,29 +86,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def server(args: argparse.Namespace, setting: dict[str, Any], ckpt, seq_len: int):
-    """The setting's server on the checkpoint: a function that serves a trace (serve, or
-    serve_mlx_lm), batch_generate's keywords, and the page pools (None: dense caches)."""
-    if setting["policy"] == "mlx-lm":
-        model = mlx_lm_qwen3(ckpt)
-        return lambda t: serve_mlx_lm(model, t, args.batch_size, setting["prefill_step"]), {}, None
-    api = load_solution(args.solution)
-    compiled = {"compiled": True} if args.compile else {}
-    model = api.Qwen3Model(ckpt, max_seq_len=seq_len, **compiled)
-    options = {"batch_size": args.batch_size, "prefill_step": setting["prefill_step"]}
-    if setting["policy"] != "alternate":  # a solution before Week 3 Day 4 has no policy
-        options["policy"] = setting["policy"]
-    pools = None
-    if args.page_size:  # max_pages None: an unbounded pool
-        pages_in_place = {"read_in_place": True} if args.read_in_place else {}
-        pools = model.create_kv_pools(args.page_size, setting["max_pages"], **pages_in_place)
-    return lambda t: serve(api, model, t, options, pools=pools), options, pools
-
-
-# --- the parent: plan, launch, aggregate, report --------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: list[str] | None = None) -> int:
     p = harness.bench_parser(
         "bench-chunked-prefill",
         "Decode stalls against throughput for several chunked-prefill budgets. Each (budget, "
@@ -115,10 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="N", help="prefill budgets to compare (prompt tokens per iteration)")
     t.add_argument("--num-seqs", type=int_at_least(1), default=8, help="requests in the trace")
     t.add_argument("--batch-size", type=int_at_least(1), default=4, help="decode slots")
-    t.add_argument("--min-input-len", type=int_at_least(1), default=64)
-    t.add_argument("--max-input-len", type=int_at_least(1), default=512)
-    t.add_argument("--min-output-len", type=int_at_least(1), default=32)
-    t.add_argument("--max-output-len", type=int_at_least(1), default=32)
+    for name, default in (("min-input", 64), ("max-input", 512), ("min-output", 32),
+                          ("max-output", 32)):
+        t.add_argument(f"--{name}-len", type=int_at_least(1), default=default)
     t.add_argument("--seed", type=int_at_least(0), default=0, help="the trace (and random weights)")
     t.add_argument("--policy", nargs="+", choices=POLICIES, default=["alternate"],
                    help="schedulers to compare: batch_generate's policies (hybrid: Week 3 Day 4), "
@@ -141,11 +124,20 @@ def build_parser() -> argparse.ArgumentParser:
     # fmt: on
     harness.add_repeats_argument(r, "budget", 2)
     harness.add_output_arguments(r, "chunked-prefill-<model>.json", plot=True)
-    return p
+    args = p.parse_args(argv)
+    model = check_args(p, args)
+    slug = harness.model_slug(model)
+    if model.num_layers != model.original_num_layers:
+        slug += f"-{model.num_layers}l"
+    if model.random_weights and model.source != "tiny":
+        slug += "-random"
+    harness.set_output_paths(p, args, harness.RESULTS / f"chunked-prefill-{slug}.json")
+    harness.write_report(args, run_benchmark(args, model), summary_table, plot)
+    return 0
 
 
 def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> harness.BenchModel:
-    """Every check that needs no weights; errors exit through argparse before any run."""
+    """Every check that needs no weights, before any run."""
     if args.min_input_len > args.max_input_len:
         p.error(f"--min-input-len {args.min_input_len} > --max-input-len {args.max_input_len}")
     if args.min_output_len > args.max_output_len:
@@ -156,13 +148,11 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> harness.
         p.error(
             "the mlx-lm policy runs mlx-lm's own server: no --page-size, --compile, or tiny_llm"
         )
-    dupes = sorted({s for s in args.prefill_steps if args.prefill_steps.count(s) > 1})
-    if dupes:
+    if dupes := sorted({s for s in args.prefill_steps if args.prefill_steps.count(s) > 1}):
         p.error(f"--prefill-steps lists {', '.join(map(str, dupes))} more than once")
     model = harness.bench_model_from_args(p, args)
     longest = args.max_input_len + args.max_output_len
-    limit = int(model.config["max_position_embeddings"])
-    if longest > limit:
+    if longest > (limit := int(model.config["max_position_embeddings"])):
         p.error(
             f"--max-input-len + --max-output-len = {longest} exceeds the model's "
             f"max_position_embeddings ({limit})"
@@ -172,23 +162,12 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> harness.
 
 def warmup_trace(args: argparse.Namespace, model: harness.BenchModel) -> Trace:
     """A short trace from another seed: one longest prompt (so that the largest chunks and
-    caches have been allocated once), the rest of a batch at the shortest length, a few output
-    tokens each."""
-    n = min(args.num_seqs, args.batch_size)
-    budget, ids = (min(args.max_output_len, WARMUP_OUTPUT_BUDGET),) * 2, model.token_ids
-    seed = args.seed + 1_000_003
-    longest = make_trace(seed, 1, (args.max_input_len,) * 2, budget, ids, model.excluded_ids)
-    rest = make_trace(seed + 1, n - 1, (args.min_input_len,) * 2, budget, ids, model.excluded_ids)
+    caches are allocated once), the rest of a batch at the shortest length, few output tokens."""
+    n, ids = min(args.num_seqs, args.batch_size), (model.token_ids, model.excluded_ids)
+    budget, seed = (min(args.max_output_len, WARMUP_OUTPUT_BUDGET),) * 2, args.seed + 1_000_003
+    longest = make_trace(seed, 1, (args.max_input_len,) * 2, budget, *ids)
+    rest = make_trace(seed + 1, n - 1, (args.min_input_len,) * 2, budget, *ids)
     return Trace(longest.prompts + rest.prompts, longest.output_budgets + rest.output_budgets)
-
-
-def default_json_path(model: harness.BenchModel) -> Path:
-    slug = harness.model_slug(model)
-    if model.num_layers != model.original_num_layers:
-        slug += f"-{model.num_layers}l"
-    if model.random_weights and model.source != "tiny":
-        slug += "-random"
-    return harness.RESULTS / f"chunked-prefill-{slug}.json"
 
 
 def setting_name(setting: dict[str, Any]) -> str:
@@ -196,14 +175,9 @@ def setting_name(setting: dict[str, Any]) -> str:
     return f"{setting['policy']} prefill step {setting['prefill_step']}{pool}"
 
 
-def run_label(spec: dict[str, Any]) -> str:
-    return f"{setting_name(spec['setting'])}, repeat {spec['repeat'] + 1}"
-
-
 def run_line(run: dict[str, Any]) -> str:
     """What one run measured, for the progress lines."""
-    m = run["metrics"]
-    gap = harness.number(m["decode_gap_ms_p95"], ".1f")
+    m, gap = run["metrics"], harness.number(run["metrics"]["decode_gap_ms_p95"], ".1f")
     return (
         f"{setting_name(run)}: {run['process_s']:.1f} s in process, run {m['wall_s']:.2f} s, "
         f"{m['output_tokens_per_s']:.2f} tok/s, p95 gap {gap} ms"
@@ -211,8 +185,7 @@ def run_line(run: dict[str, Any]) -> str:
 
 
 def run_benchmark(args: argparse.Namespace, model: harness.BenchModel) -> dict[str, Any]:
-    """One fresh process per (setting, repeat), after a probe of the pages the trace holds
-    where --pool-fractions sizes the pools from them; then the report."""
+    """A fresh process per (setting, repeat), after a probe of the trace's peak pages if asked."""
     started = time.time()
     trace = make_trace(
         args.seed, args.num_seqs, (args.min_input_len, args.max_input_len),
@@ -235,9 +208,9 @@ def run_benchmark(args: argparse.Namespace, model: harness.BenchModel) -> dict[s
 
         def launch(plan: list[tuple[int, str, dict]]) -> list[dict[str, Any]]:
             specs = [{**shared, "setting": s, "repeat": r, "order": o} for r, o, s in plan]
-            return harness.run_plan(
-                __name__, specs, Path(tmp), env, run_label, run_line, args.cooldown_seconds
-            )
+            label = lambda spec: f"{setting_name(spec['setting'])}, repeat {spec['repeat'] + 1}"
+            return harness.run_plan(__name__, specs, Path(tmp), env, label, run_line,
+                                    args.cooldown_seconds)  # fmt: skip
 
         peak, pools = None, [None]  # max_pages None: an unbounded pool, or dense caches
         if args.pool_fractions:
@@ -253,16 +226,9 @@ def run_benchmark(args: argparse.Namespace, model: harness.BenchModel) -> dict[s
         harness.log(f"{len(plan)} runs, {args.warmup} warm-up run(s) each")
         runs = launch(plan)
     summary = {"peak_pages_unbounded": peak, "budgets": aggregate(runs, settings)}
-    blas = harness.runs_blas(runs, env, preloaded, core)
-    settings = report_settings(args, model, trace, warm, plan, runs[0]["device"])
-    return harness.report("chunked-prefill", started, settings, runs, summary, blas=blas)
-
-
-def report_settings(args, model, trace: Trace, warm: Trace, plan: list, device: str) -> dict:
-    """The report's settings: the arguments, the model, both traces and the plan."""
-    return {
-        "arguments": harness.arguments_json(args), "device": device, "dtype": args.dtype,
-        "solution": SOLUTIONS[args.solution], "model": model.describe(),
+    report_settings = {
+        "arguments": harness.arguments_json(args), "device": runs[0]["device"],
+        "dtype": args.dtype, "solution": SOLUTIONS[args.solution], "model": model.describe(),
         "trace": {
             "seed": args.seed, "sha256": trace.sha256(), "num_requests": len(trace.prompts),
             "prompt_lengths": [len(p) for p in trace.prompts],
@@ -272,6 +238,8 @@ def report_settings(args, model, trace: Trace, warm: Trace, plan: list, device: 
         "warmup_trace": {"sha256": warm.sha256(), **warm.to_dict()},
         "plan": [{"repeat": r, "order": o, **setting} for r, o, setting in plan],
     }  # fmt: skip
+    blas = harness.runs_blas(runs, env, preloaded, core)
+    return harness.report("chunked-prefill", started, report_settings, runs, summary, blas=blas)
 
 
 def aggregate(runs: list[dict[str, Any]], settings: list[dict]) -> list[dict[str, Any]]:
@@ -287,18 +255,6 @@ def aggregate(runs: list[dict[str, Any]], settings: list[dict]) -> list[dict[str
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    model = check_args(parser, args)
-    harness.set_output_paths(parser, args, default_json_path(model))
-    harness.write_report(args, run_benchmark(args, model), summary_table, plot)
-    return 0
-
-
-# --- the table and the plot -----------------------------------------------------------------
-
-
 def summary_table(report: dict[str, Any]) -> str:
     rows = [
         [row["policy"], str(row["max_pages"] or "-"), str(row["prefill_step"]), str(row["runs"]),
@@ -312,10 +268,8 @@ def summary_table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
-    """p95 decode gap against output throughput, a line per scheduler (and pool size), a
-    labeled point per budget (median over runs; the bars span the runs' min..max)."""
-    plt = harness.pyplot()
-    if plt is None:
+    """p95 decode gap against throughput, a line per scheduler and pool, a point per budget."""
+    if (plt := harness.pyplot()) is None:
         return None
     series: dict[tuple, list[dict[str, Any]]] = {}
     unplotted = []  # a pool that refused every request has no point to draw: say so instead
@@ -344,8 +298,8 @@ def plot(report: dict[str, Any], path: Path) -> Path | None:
     ax.set_title(
         f"{model['name']} ({model['num_layers']} layers, {settings['dtype']}), "
         f"{settings['trace']['num_requests']} requests, "
-        f"batch {settings['arguments']['batch_size']}\n{host['machine']}, "
-        f"{host['cpu_count']} CPUs, {', '.join(host['blas']['runs'])}, MLX {host['mlx']['version']}",
+        f"batch {settings['arguments']['batch_size']}\n{host['machine']}, {host['cpu_count']} "
+        f"CPUs, {', '.join(host['blas']['runs'])}, MLX {host['mlx']['version']}",
         fontsize=9,
     )
     ax.grid(True, alpha=0.3)

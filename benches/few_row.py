@@ -1,49 +1,35 @@
-"""5.4: the few-row matmul (kernels.few_row_matmul) against MLX's matmul and the machine's limits.
-Every run in a fresh process, in plan_runs' order (forward, then reversed, ...):
+"""5.4: the few-row matmul (kernels.few_row_matmul) against MLX's matmul and the machine's limits,
+each run in a fresh process. Part "kernel": the bandwidth ceilings (MLX's copy; numpy's float32
+sgemv), then the Qwen3-0.6B weights at 1 to 16 rows of x: the few-row kernel, MLX's matmul and, at
+one row, numpy's sgemv on the same matrix; at 4 bits, the few-row kernel against Day 1's
+quantized_matvec. Part "decode": one step of B rows (--decode-rows) on the Qwen3-0.6B shape, float32
+with MLX's matmul and with the few-row kernel, 4-bit on Day 1's kernel and on the few-row one.
 
-- kernel: the machine's bandwidth ceilings (MLX's copy in 8 MB pieces, read + write; numpy's
-  float32 sgemv on a [151936, 1024] weight, read only), then the Qwen3-0.6B weights (N x K,
-  float32) at 1 to 16 rows of x: the few-row kernel, MLX's matmul (x @ w.T) and, at one row,
-  numpy's sgemv on the same matrix; and the same weights at 4 bits (groups of 64): the few-row
-  kernel against Day 1's quantized_matvec.
-- decode: one step of B rows (--decode-rows) on the Qwen3-0.6B shape (--num-layers, random
-  float32 weights), a dense cache after an 8-token prompt: float32 with MLX's matmul and with
-  the kernel (linear_kernel="few-row"), 4-bit on Day 1's kernel and on the few-row one.
-
-Targets (the issue): the kernel at 1 row >= 80% of numpy's sgemv GB/s on the same matrix and at 8
-rows >= 3x MLX's matmul (the head); a decode step of 8 rows within 1.3x of the bandwidth floor
-(weight bytes / the copy and sgemv ceiling).
-
-    pdm run bench-few-row [--num-layers 8] [--decode-rows 1 8] [--repeats 3] [--iters 20]
-    pdm run bench-few-row --quick          # a smoke run: 1 layer, 1 repeat, 3 timings
-
-Writes benches/results/few-row-<model>-<N>layers-<host>.json (or --json-output).
+    pdm run bench-few-row [--num-layers 8] [--decode-rows 1 8] [--repeats 3] [--quick]
 """
-
-from __future__ import annotations
 
 import gc
 import os
-import tempfile
-import time
+import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from benches import harness
-from benches.own_kernel import bandwidth_gbs, quantized, timings
-from tiny_llm_support.cli import int_at_least
+import mlx.core as mx
+import numpy as np
 
-SHAPES = ((3072, 1024), (1024, 3072), (151936, 1024))  # gate/up, down, the tied head
+import tiny_llm_ref as ref
+from benches import harness, own_kernel
+from benches.ceilings import copy_gbs
+from benches.own_kernel import PROMPT_TOKENS, SHAPES, WARMUP_STEPS
+from tiny_llm_ref.kernels import few_row_matmul, few_row_quantized_matmul, quantized_matvec
+
 ROWS = (1, 2, 4, 8, 16)
 HEAD = "151936x1024"
 VARIANTS = {  # name: (linear_kernel, quantized_linear; None: float32 weights)
-    "float32-mlx": ("mlx", None),
-    "float32-few-row": ("few-row", None),
-    "4bit-own-kernel": ("mlx", "own-kernel"),
-    "4bit-few-row": ("few-row", "own-kernel"),
-}
-PROMPT_TOKENS, WARMUP_STEPS = 8, 2
+    "float32-mlx": ("mlx", None), "float32-few-row": ("few-row", None),
+    "4bit-own-kernel": ("mlx", "own-kernel"), "4bit-few-row": ("few-row", "own-kernel"),
+}  # fmt: skip
+# at least: the head at 1 row against numpy's sgemv GB/s, at 8 rows against MLX's matmul
 TARGETS = {"one_row_vs_sgemv": 0.8, "eight_rows_vs_mlx": 3.0}
 FLOOR_TARGET = 1.3  # a step of 8 rows, at most this many times the bandwidth floor
 
@@ -55,17 +41,11 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 def measure_kernel(spec: dict[str, Any]) -> dict[str, Any]:
     """GB/s of every (weight, rows, implementation), from the median of `iters` timings."""
-    import mlx.core as mx
-    import numpy as np
-
-    from benches.ceilings import copy_gbs
-    from tiny_llm_ref.kernels import few_row_matmul, few_row_quantized_matmul, quantized_matvec
-
     iters, table = spec["iters"], {}
-    ceilings = {"sgemv_gbs": bandwidth_gbs(iters),
+    ceilings = {"sgemv_gbs": own_kernel.bandwidth_gbs(iters),
                 "copy_gbs": copy_gbs(512, 3, mx.random.key(0))["copy_gbs"]["max"]}  # fmt: skip
     for n, k in SHAPES:
-        parts, w = quantized(n, k)
+        parts, w = own_kernel.quantized(n, k)
         packed = sum(a.nbytes for a in parts)
         rows = {}
         for m in ROWS:
@@ -74,10 +54,10 @@ def measure_kernel(spec: dict[str, Any]) -> dict[str, Any]:
                    "mlx_matmul": lambda x=x, w=w: x @ w.T,
                    "few_row_4bit": lambda x=x, q=parts: few_row_quantized_matmul(x, *q),
                    "day1_4bit": lambda x=x, q=parts: quantized_matvec(x, *q)}  # fmt: skip
-            ms = timings(fns, iters)
+            ms = own_kernel.timings(fns, iters)
             if m == 1:
                 wn, xn = np.array(w), np.array(x[0])
-                ms["numpy_sgemv"] = numpy_ms(lambda wn=wn, xn=xn: wn @ xn, iters)
+                ms["numpy_sgemv"] = 1000 * own_kernel.numpy_s(lambda wn=wn, xn=xn: wn @ xn, iters)
                 del wn
             rows[str(m)] = {f"{name}_gbs": (packed if "4bit" in name else w.nbytes) / t / 1e6
                             for name, t in ms.items()}  # fmt: skip
@@ -87,29 +67,9 @@ def measure_kernel(spec: dict[str, Any]) -> dict[str, Any]:
     return {"part": "kernel", "iters": iters, "ceilings": ceilings, "kernel": table}
 
 
-def numpy_ms(fn, iters: int) -> float:
-    """Median ms of fn() after two warm-up calls."""
-    times = []
-    for i in range(iters + 2):
-        start = time.perf_counter()
-        fn()
-        times += [time.perf_counter() - start] * (i >= 2)
-    return 1000 * harness.median(times)
-
-
 def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
-    """Load (and quantize), prefill B copies of an 8-token prompt, then time decode steps."""
-    import mlx.core as mx
-
-    import tiny_llm_ref as ref
-    from tiny_llm_support import quantize_checkpoint
-
     kernel, path = VARIANTS[spec["variant"]]
-    _, ckpt = harness.load_weights(spec["model"], "float32")
-    if path is not None:
-        ckpt = quantize_checkpoint(ckpt, 4, 64)
-        mx.eval(list(ckpt.weights.values()))
-    weights = sum({id(w): w.nbytes for w in ckpt.weights.values()}.values())  # tied: once
+    ckpt, weights = own_kernel.load_weights(spec, quantize=path is not None)
     model = ref.Qwen3Model(ckpt, quantized_linear=path, linear_kernel=kernel)
     del ckpt
     gc.collect()
@@ -117,14 +77,8 @@ def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
     cache = model.create_kv_cache()
     prompt = mx.broadcast_to(mx.arange(PROMPT_TOKENS) + 100, (b, PROMPT_TOKENS))  # [B, T]
     logits = model(prompt, 0, cache, logits_to_keep=1)
-    token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]  # [B, 1]
-    mx.eval(token)
-    times = []
-    for i in range(WARMUP_STEPS + spec["decode_tokens"]):
-        start = time.perf_counter()
-        token = mx.argmax(model(token, PROMPT_TOKENS + i, cache)[:, -1, :], axis=-1)[:, None]
-        mx.eval(token)
-        times += [time.perf_counter() - start] * (i >= WARMUP_STEPS)
+    step = lambda token, pos: model(token, pos, cache)
+    times, _ = own_kernel.decode_times(step, logits, spec["decode_tokens"])
     step_s = harness.median(times)
     return {"part": "decode", "variant": spec["variant"], "rows": b, "weights_bytes": weights,
             "step_ms": harness.summarize(times, 1000), "tokens_per_s": b / step_s,
@@ -132,44 +86,16 @@ def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = harness.bench_parser("bench-few-row", "The few-row matmul against MLX's matmul, numpy's "
-                             "sgemv and the bandwidth, per weight and per decode step (5.4).")  # fmt: skip
-    p.add_argument("--model", default="qwen3-0.6b", help="a shortcut with an embedded config")
-    p.add_argument("--num-layers", type=int_at_least(1), default=8)
-    p.add_argument("--decode-rows", type=int_at_least(1), nargs="+", default=[1, 8])
-    p.add_argument("--decode-tokens", type=int_at_least(1), default=16, help="timed steps, a run")
-    p.add_argument("--iters", type=int_at_least(1), default=20, help="timings of each kernel")
-    p.add_argument("--repeats", type=int_at_least(1), default=3, help="runs of each part")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: 1 layer, 4 steps, 3 timings, 1 repeat")  # fmt: skip
-    p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
-    harness.add_output_arguments(p, "few-row-<model>-<N>layers-<host>.json")
-    args = p.parse_args(argv)
-    if args.quick:
-        args.num_layers, args.decode_tokens, args.iters, args.repeats = 1, 4, 3, 1
-    model = harness.bench_model_or_exit(p, args.model, random=True, num_layers=args.num_layers,
-                                        weight_seed=args.seed)  # fmt: skip
-    name = f"few-row-{harness.model_slug(model)}-{model.num_layers}layers-{harness.host_slug()}"
-    harness.set_output_paths(p, args, harness.RESULTS / f"{name}.json")
-    started, load = time.time(), os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-few-row-") as tmp:
-        harness.write_random_weights(model, Path(tmp), "float32")
-        items = [{"part": "kernel", "iters": args.iters}]
-        items += [{"part": "decode", "variant": v, "rows": b, "model": model.to_dict(),
-                   "decode_tokens": args.decode_tokens}
-                  for b in args.decode_rows for v in VARIANTS]  # fmt: skip
-        specs = [{**item, "repeat": r, "order": order}
-                 for r, order, item in harness.plan_runs(items, args.repeats)]  # fmt: skip
-        runs = harness.run_plan(__name__, specs, Path(tmp), dict(os.environ), label, run_line)
-    for run in runs:
-        run.pop("model", None)  # the config is in settings, once
-    summary = summarize(runs)
-    settings = {**harness.arguments_json(args, ("json_output",)), "model": model.describe(),
-                "rows": list(ROWS), "prompt_tokens": PROMPT_TOKENS,
-                "warmup_steps": WARMUP_STEPS, "loadavg_at_start": list(load)}  # fmt: skip
-    report = harness.report("few-row", started, settings, runs, summary, targets(summary))
-    harness.write_report(args, report, summary_table, seconds=report["host"]["duration_s"])
-    return 0
+    args, model = own_kernel.parse_args(
+        "few-row", "The few-row matmul against MLX's matmul, numpy's sgemv and the bandwidth, "
+        "per weight and per decode step (5.4).", argv,
+        {"--decode-rows": {"nargs": "+", "default": [1, 8]},
+         "--decode-tokens": {"default": 16, "help": "timed steps, a run"}},
+        "1 layer, 4 steps, 3 timings, 1 repeat")  # fmt: skip
+    settings = {"rows": list(ROWS), "prompt_tokens": PROMPT_TOKENS, "warmup_steps": WARMUP_STEPS,
+                "loadavg_at_start": list(os.getloadavg())}  # fmt: skip
+    decodes = [{"variant": v, "rows": b} for b in args.decode_rows for v in VARIANTS]
+    return own_kernel.run_parts(sys.modules[__name__], args, model, decodes, settings)
 
 
 def label(spec: dict[str, Any]) -> str:
@@ -189,14 +115,12 @@ def run_line(run: dict[str, Any]) -> str:
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Medians over the repeats, the bandwidth floor of each step and the ratios the targets
-    read."""
-    med = lambda values: harness.median(list(values))  # noqa: E731
+    """Medians over the repeats, the bandwidth floor of each step, the ratios the targets read."""
+    med = harness.median
     kernels = [r for r in runs if r["part"] == "kernel"]
-    first = kernels[0]["kernel"]
     kernel = {shape: {m: {key: med(r["kernel"][shape]["rows"][m][key] for r in kernels)
                           for key in row} for m, row in entry["rows"].items()}
-              for shape, entry in first.items()}  # fmt: skip
+              for shape, entry in kernels[0]["kernel"].items()}  # fmt: skip
     ceilings = {key: med(r["ceilings"][key] for r in kernels) for key in kernels[0]["ceilings"]}
     bandwidth = max(ceilings.values())
     decode = {}
@@ -213,9 +137,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     head = kernel[HEAD]
     ratios = {"one_row_vs_sgemv": head["1"]["few_row_gbs"] / head["1"]["numpy_sgemv_gbs"],
               "eight_rows_vs_mlx": head["8"]["few_row_gbs"] / head["8"]["mlx_matmul_gbs"]}  # fmt: skip
-    eight = decode.get("float32-few-row x8")
-    if eight:
-        ratios["step_of_8_vs_floor"] = eight["vs_floor"]
+    if "float32-few-row x8" in decode:
+        ratios["step_of_8_vs_floor"] = decode["float32-few-row x8"]["vs_floor"]
     return {"ceilings": ceilings, "bandwidth_gbs": bandwidth, "kernel": kernel,
             "decode": decode, "ratios": ratios}  # fmt: skip
 

@@ -1,17 +1,11 @@
 """bench-flash-attention (Week 3 Day 5): what flash attention and pages read in place save, and
 what they cost, on the shapes of Qwen3-0.6B (16 query heads, 8 KV heads, head_dim 128).
 
-attention  one layer's causal attention over a prompt (L = S), random inputs: the course's
-           grouped attention (the whole [H, L, S] score array), flash_attention at each
-           --block-sizes, and mx.fast.scaled_dot_product_attention. Median time, and the peak
-           memory of one call above the inputs.
-decode     one batched decode step of the model (--num-layers of it), every request's cache
-           filled to the context with random keys and values: paged caches read through the
-           gather path, read in place through one padded page table or one request at a time,
-           the dense cache, and mlx-lm. Every step is rewound, so each runs at the same context.
-
-The methods take turns in every repeat. Writes JSON (runs: one row per length or context,
-batch and method; summary: the ratios the chapter checks) and a PNG beside it.
+attention  one layer's causal attention over L = S random tokens: grouped attention (the whole
+           [H, L, S] scores), flash_attention at each --block-sizes, and mx.fast.
+decode     one batched decode step of the model over random caches: paged (gather, in place
+           through one padded page table or a request at a time), dense, and mlx-lm.
+Median times and the peak memory of one call; the methods take turns, decode steps rewound.
 
     pdm run bench-flash-attention --lengths 256 --contexts 128 --batches 1 2 --num-layers 1
 """
@@ -49,29 +43,10 @@ def peak_bytes(run: Callable[[], Any]) -> int:
     return mx.get_peak_memory() - before
 
 
-def take_turns(runs: dict[str, Callable], warmup: int, repeats: int, after: Callable[[str], None]):
-    """Seconds per call of every run, after `warmup` calls of each: in each repeat every run goes
-    once, in plan_runs' order (forward, then reversed)."""
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for r, _, name in harness.plan_runs(list(runs), warmup + repeats):
-        start = time.perf_counter()
-        mx.eval(runs[name]())
-        if r >= warmup:
-            samples[name].append(time.perf_counter() - start)
-        after(name)
-    return samples
-
-
-def timing(samples: list[float], peak: int) -> dict[str, Any]:
-    return {"median_ms": statistics.median(samples) * 1000, "min_ms": min(samples) * 1000,
-            "samples_ms": [s * 1000 for s in samples], "peak_bytes": peak,
-            "peak_mib": peak / 2**20}  # fmt: skip
-
-
 def measure(runs: dict[str, Callable], reference: str, args, after=lambda name: None) -> dict:
-    """name -> (the largest difference of its output from the `reference` method's, its
-    timing: the peak memory of one call, the times of --repeats calls after --warmup, the
-    methods taking turns). after(name) follows every call (a decode step is rewound)."""
+    """name -> (the largest difference of its output from `reference`'s, its peak memory and
+    the times of --repeats calls after --warmup, taking turns in plan_runs' order). after(name)
+    follows every call (a decode step is rewound)."""
 
     def once(name: str) -> mx.array:
         out = runs[name]()
@@ -81,12 +56,23 @@ def measure(runs: dict[str, Callable], reference: str, args, after=lambda name: 
     want = once(reference)
     errors = {name: mx.abs(once(name) - want).max().item() for name in runs}
     peaks = {name: peak_bytes(partial(once, name)) for name in runs}
-    samples = take_turns(runs, args.warmup, args.repeats, after)
-    return {name: (errors[name], timing(samples[name], peaks[name])) for name in runs}
+    samples: dict[str, list[float]] = {name: [] for name in runs}
+    for r, _, name in harness.plan_runs(list(runs), args.warmup + args.repeats):
+        start = time.perf_counter()
+        mx.eval(runs[name]())
+        if r >= args.warmup:
+            samples[name].append(time.perf_counter() - start)
+        after(name)
+    return {
+        name: (errors[name], {"median_ms": statistics.median(s) * 1000, "min_ms": min(s) * 1000,
+                              "samples_ms": [t * 1000 for t in s], "peak_bytes": peaks[name],
+                              "peak_mib": peaks[name] / 2**20})
+        for name, s in samples.items()
+    }  # fmt: skip
 
 
 def attention_rows(pkg, length: int, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every method on one prompt of `length` tokens: q [1, H_q, L, D], k and v [1, H_kv, L, D]."""
+    """Every method on q [1, H_q, L, D], k and v [1, H_kv, L, D]."""
     kq, kk, kv = mx.random.split(mx.random.key(length), 3)
     dtype, shape = DTYPES[args.dtype], (1, H_KV, length, HEAD_DIM)
     q = mx.random.normal((1, H_Q, length, HEAD_DIM), key=kq).astype(dtype)
@@ -107,8 +93,7 @@ def attention_rows(pkg, length: int, args: argparse.Namespace) -> list[dict[str,
 
 
 def per_request_batching_cache(pkg):
-    """The batching cache with the other choice for paged decode: each request walks its own
-    page table, one after the other, instead of all of them through one padded table."""
+    """The batching cache whose paged decode walks each request's own page table in turn."""
 
     class PerRequest(pkg.BatchingKvCache):
         def attend(self, query, key, value):  # [B, H_q, 1, D], [B, H_kv, 1, D] x 2
@@ -124,12 +109,11 @@ class CourseDecode:
     """A batched decode step of the course's model over B request caches at one context."""
 
     def __init__(self, pkg, model, kv: KV, kind: str, page_size: int, block: int):
-        self.model, self.context = model, kv[0][0].shape[2]
-        batch = kv[0][0].shape[0]
+        self.model, (batch, _, self.context, _) = model, kv[0][0].shape  # [B, H_kv, S, D]
         if kind == "dense":
             requests = [model.create_kv_cache() for _ in range(batch)]
-        else:  # the pages every request needs for one more token, allocated up front as a
-            # server would (a pool left to grow doubles, and would hold twice what it uses)
+        else:  # the pages for one more token, allocated up front as a server would (a pool
+            # left to grow doubles, and would hold twice what it uses)
             pages = batch * -(-(self.context + 1) // page_size)
             pools = model.create_kv_pools(page_size, pages, read_in_place=kind != "paged-gather")
             for pool in pools:
@@ -173,8 +157,7 @@ class MlxLmDecode:
 
 
 def held_after_one_step(make: Callable[[], Any]) -> tuple[Any, int]:
-    """A decode state, and the memory it holds once built and stepped once: its caches, plus
-    whatever a step keeps from one call to the next (the batching cache's padded buffer)."""
+    """A decode state, and what it holds once stepped: its caches and any buffer a step keeps."""
     mx.clear_cache()
     before = mx.get_active_memory()
     state = make()
@@ -228,9 +211,9 @@ def bench(pkg, args: argparse.Namespace, bench_model) -> tuple[list, list]:
 
 
 def summarize(attention: list[dict], decode: list[dict]) -> dict[str, Any]:
-    """The chapter's two checks: flash attention's peak memory (and time) over the dense path's
-    at the longest length; the in-place decode step's time over the gather path's at the
-    longest context, for each batch."""
+    """The chapter's checks: flash attention's peak memory and time over dense attention's at the
+    longest length; the in-place decode step's time over the gather path's at the longest
+    context."""
     out: dict[str, Any] = {}
     if attention:
         longest = max(r["length"] for r in attention)
@@ -287,7 +270,7 @@ def table(report: dict[str, Any]) -> str:
     return harness.table(head, rows)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def main(argv: Sequence[str] | None = None) -> int:
     pos = int_at_least(1)
     p = harness.bench_parser("bench-flash-attention", __doc__.split("\n\n")[0])
     harness.add_model_arguments(p, "qwen3-0.6b", default_layers=8)
@@ -302,26 +285,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int_at_least(0), default=2)
     p.add_argument("--repeats", type=pos, default=7)
     harness.add_output_arguments(p, "flash-attention.json", plot=True)
-    return p
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    p = build_parser()
     args = p.parse_args(argv)
     harness.set_output_paths(p, args, harness.RESULTS / "flash-attention.json")
-    bench_model = harness.bench_model_from_args(p, args, default_layers=8)
+    model = harness.bench_model_from_args(p, args, default_layers=8)
     started, device = time.time(), choose_device(args.device)
-    harness.log_model(
-        bench_model, args, f"; attention: H_q {H_Q}, H_kv {H_KV}, head_dim {HEAD_DIM}"
-    )
+    harness.log_model(model, args, f"; attention: H_q {H_Q}, H_kv {H_KV}, head_dim {HEAD_DIM}")
     harness.log_blas()
     with harness.OneLineErrors(args.solution) as errors:  # a checkpoint's weights: read here
-        attention, decode = bench(load_solution(args.solution), args, bench_model)
+        attention, decode = bench(load_solution(args.solution), args, model)
     if errors.status:
         return errors.status
     settings = {"arguments": harness.arguments_json(args), "device": device,
                 "attention_shape": {"H_q": H_Q, "H_kv": H_KV, "head_dim": HEAD_DIM, "batch": 1},
-                "model": bench_model.describe() if decode else None}  # fmt: skip
+                "model": model.describe() if decode else None}  # fmt: skip
     summary = summarize(attention, decode)
     report = harness.report("bench-flash-attention", started, settings, attention + decode, summary)
     harness.write_report(args, report, table, plot)

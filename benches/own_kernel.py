@@ -1,37 +1,33 @@
-"""5.1: the course's own quantized matvec (kernels.quantized_matvec) against what it replaces.
-Every run in a fresh process, in plan_runs' order (forward, then reversed, ...):
+"""5.1: the course's own quantized matvec (kernels.quantized_matvec) against what it replaces, each
+run in a fresh process. Part "kernel": numpy's float32 sgemv (the machine's bandwidth), then three
+Qwen3-0.6B weights at 4 bits x one row (the fast kernel, the plain loop, mx.quantized_matmul, a
+float32 matmul) and 1 to 64 rows (the kernel against dequantizing: the OWN_KERNEL_MAX_ROWS
+crossover). Part "decode": batch 1 greedy decode on the Qwen3-0.6B shape (random weights) in
+float32, 4-bit on the own kernel, on MLX's kernel, and mlx-lm's model on the same 4-bit weights.
 
-- kernel: the machine's weight-reading bandwidth (numpy's float32 sgemv on a [151936, 1024]
-  weight), then three weights of the Qwen3-0.6B shape (N x K, 4 bits, groups of 64, float32, x
-  one row) timed one after the other: the fast kernel, the plain loop (3072x1024 only), MLX's
-  mx.quantized_matmul and a float32 matmul with the dequantized weight; and the 3072x1024 weight
-  at 1 to 64 rows, the kernel against dequantizing for the call (the OWN_KERNEL_MAX_ROWS
-  crossover).
-- decode: batch 1 greedy decode of --decode-tokens tokens after an 8-token prompt on the
-  Qwen3-0.6B shape (--num-layers, random float32 weights): float32, 4-bit on the own kernel
-  (quantized_linear="own-kernel"), 4-bit on MLX's kernel ("kernel") and mlx-lm's model on the
-  same 4-bit weights.
-
-Targets (the issue): own-kernel decode >= 2.5x float32's tokens/s and >= 5x mlx-lm 4-bit's, and
-its weight reading at >= 70% of the machine's bandwidth.
-
-    pdm run bench-own-kernel [--num-layers 8] [--decode-tokens 32] [--repeats 3] [--iters 20]
-    pdm run bench-own-kernel --quick          # a smoke run: 1 layer, 4 tokens, 1 repeat
-
-Writes benches/results/own-kernel-<model>-<N>layers-<host>.json (or --json-output).
+    pdm run bench-own-kernel [--num-layers 8] [--decode-tokens 32] [--repeats 3] [--quick]
 """
-
-from __future__ import annotations
 
 import gc
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+from mlx.utils import tree_flatten
+
+import tiny_llm_ref as ref
 from benches import harness
+from benches.ceilings import timed
+from tiny_llm_ref.kernels import quantized_matvec
+from tiny_llm_ref.quantize import OWN_KERNEL_MAX_ROWS
+from tiny_llm_support import quantize_checkpoint
 from tiny_llm_support.cli import int_at_least
 
 BITS, GROUP_SIZE = 4, 64
@@ -42,6 +38,7 @@ VARIANTS = {"float32": None, "own-kernel-4bit": "own-kernel", "mlx-kernel-4bit":
             "mlx-lm-4bit": None}  # fmt: skip
 PROMPT_TOKENS, WARMUP_STEPS = 8, 2
 SETTLE_S = 0.5  # before each kernel's timings: OpenBLAS's threads stop spinning
+# own-kernel decode against float32's and mlx-lm 4-bit's tokens/s, its share of the bandwidth
 TARGETS = {"own_vs_float32": 2.5, "own_vs_mlx_lm_4bit": 5.0, "own_bandwidth_fraction": 0.7}
 
 
@@ -51,14 +48,9 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def timings(fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
-    """Median ms of each fn (built and evaluated): each in a block of its own, after a pause and
-    two warm-up calls. Not in turns: after a float32 matmul OpenBLAS's threads spin for a while
-    and take the second core from the kernel's helper thread (measured: the 151936x1024 kernel
-    takes 2x as long right after one)."""
-    import mlx.core as mx
-
-    from benches.ceilings import timed
-
+    """Median ms of each fn (built and evaluated), each in a block of its own after a pause and two
+    warm-ups. Not in turns: OpenBLAS's threads spin a while after a float32 matmul and take the
+    second core from the kernel's helper thread (the 151936x1024 kernel took 2x as long)."""
     times: dict[str, list[float]] = {}
     for name, fn in fns.items():
         time.sleep(SETTLE_S)
@@ -68,24 +60,25 @@ def timings(fns: dict[str, Callable[[], Any]], iters: int) -> dict[str, float]:
     return {name: 1000 * harness.median(ts) for name, ts in times.items()}
 
 
-def bandwidth_gbs(iters: int) -> float:
-    """numpy's float32 sgemv, w [151936, 1024] @ x: the weight's bytes over the median time."""
-    import numpy as np
-
-    w = np.random.default_rng(0).standard_normal(BANDWIDTH_SHAPE, dtype=np.float32)
-    x = np.ones(BANDWIDTH_SHAPE[1], dtype=np.float32)
+def numpy_s(fn: Callable[[], Any], iters: int) -> float:
+    """Median seconds of a numpy call, after two warm-up calls."""
     times = []
     for i in range(iters + 2):
         start = time.perf_counter()
-        w @ x
+        fn()
         times += [time.perf_counter() - start] * (i >= 2)
-    return w.nbytes / harness.median(times) / 1e9
+    return harness.median(times)
+
+
+def bandwidth_gbs(iters: int) -> float:
+    """numpy's float32 sgemv, w [151936, 1024] @ x: the weight's bytes over the median time."""
+    w = np.random.default_rng(0).standard_normal(BANDWIDTH_SHAPE, dtype=np.float32)
+    x = np.ones(BANDWIDTH_SHAPE[1], dtype=np.float32)
+    return w.nbytes / numpy_s(lambda: w @ x, iters) / 1e9
 
 
 def quantized(n: int, k: int):
     """A random weight [n, k] quantized (codes, scales, biases) and its dequantized float32."""
-    import mlx.core as mx
-
     w = 0.02 * mx.random.normal((n, k), key=mx.random.key(n + k))
     parts = mx.quantize(w, group_size=GROUP_SIZE, bits=BITS)
     wf = mx.dequantize(*parts, group_size=GROUP_SIZE, bits=BITS)
@@ -94,10 +87,6 @@ def quantized(n: int, k: int):
 
 
 def measure_kernel(spec: dict[str, Any]) -> dict[str, Any]:
-    import mlx.core as mx
-
-    from tiny_llm_ref.kernels import quantized_matvec
-
     iters, kernel = spec["iters"], {}
     bandwidth = bandwidth_gbs(iters)
     gc.collect()
@@ -138,111 +127,117 @@ def measure_kernel(spec: dict[str, Any]) -> dict[str, Any]:
             "rows": rows}  # fmt: skip
 
 
-def rss_mb() -> float | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024 / 1e6
-    except OSError:
-        pass
-    return None
+def load_weights(spec: dict[str, Any], quantize: bool):
+    """The run's random float32 weights (4-bit with `quantize`) and their bytes (tied: once)."""
+    _, ckpt = harness.load_weights(spec["model"], "float32")
+    if quantize:
+        ckpt = quantize_checkpoint(ckpt, BITS, GROUP_SIZE)  # the float arrays go with the old one
+        mx.eval(list(ckpt.weights.values()))
+    return ckpt, sum({id(w): w.nbytes for w in ckpt.weights.values()}.values())
+
+
+def decode_times(step: Callable, logits, steps: int) -> tuple[list[float], list]:
+    """Greedy decode, step(token, position) -> logits: the seconds of `steps` steps after
+    WARMUP_STEPS untimed ones, and every step's tokens [B, 1]."""
+    token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
+    mx.eval(token)
+    times, tokens = [], []
+    for i in range(WARMUP_STEPS + steps):
+        start = time.perf_counter()
+        token = mx.argmax(step(token, PROMPT_TOKENS + i)[:, -1, :], axis=-1)[:, None]
+        mx.eval(token)
+        times += [time.perf_counter() - start] * (i >= WARMUP_STEPS)
+        tokens.append(token)
+    return times, tokens
 
 
 def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
-    """Load (and quantize), then the prompt, WARMUP_STEPS untimed steps and the timed ones."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    import tiny_llm_ref as ref
     from benches.model_impls import MlxLmImpl
     from benches.quantization import model_bytes
-    from tiny_llm_support import quantize_checkpoint
 
     variant = spec["variant"]
-    _, ckpt = harness.load_weights(spec["model"], "float32")
-    if variant != "float32":
-        ckpt = quantize_checkpoint(ckpt, BITS, GROUP_SIZE)  # the float arrays go with the old one
-        mx.eval(list(ckpt.weights.values()))
+    ckpt, weights = load_weights(spec, quantize=variant != "float32")
     gc.collect()
     mx.clear_cache()
     prompt = mx.arange(PROMPT_TOKENS)[None] + 100  # [1, T], ordinary Qwen3 ids
     if variant == "mlx-lm-4bit":
         impl = MlxLmImpl(ckpt)
-        weights = sum(v.nbytes for _, v in tree_flatten(impl.model.parameters()))
-        held = weights
+        weights = held = sum(v.nbytes for _, v in tree_flatten(impl.model.parameters()))
         logits, cache = impl.prefill(prompt)
-        step = lambda token, pos: impl.decode_step(token, cache, pos)[0]  # noqa: E731
+        step = lambda token, pos: impl.decode_step(token, cache, pos)[0]
     else:
         model = ref.Qwen3Model(ckpt, quantized_linear=VARIANTS[variant])
         held, cache = model_bytes(model), model.create_kv_cache()  # weights and RoPE tables
-        weights = sum({id(w): w.nbytes for w in ckpt.weights.values()}.values())  # tied: once
         logits = model(prompt, 0, cache, logits_to_keep=1)
-        step = lambda token, pos: model(token, pos, cache)  # noqa: E731
+        step = lambda token, pos: model(token, pos, cache)
     del ckpt
     gc.collect()
-    resident = rss_mb()
-    token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-    mx.eval(token)
-    times, tokens = [], []
-    for i in range(WARMUP_STEPS + spec["decode_tokens"]):
-        start = time.perf_counter()
-        logits = step(token, PROMPT_TOKENS + i)
-        token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]
-        mx.eval(token)
-        times += [time.perf_counter() - start] * (i >= WARMUP_STEPS)
-        tokens.append(token.item())
+    resident = harness.rss_bytes(os.getpid())
+    times, tokens = decode_times(step, logits, spec["decode_tokens"])
     step_s = harness.median(times)
     return {"part": "decode", "variant": variant, "weights_bytes": weights, "held_bytes": held,
-            "rss_mb": resident,
+            "rss_mb": resident / 1e6 if resident else None,
             "step_ms": harness.summarize(times, 1000), "tokens_per_s": 1 / step_s,
-            "gbs": weights / step_s / 1e9, "tokens": tokens}  # fmt: skip
+            "gbs": weights / step_s / 1e9, "tokens": [t.item() for t in tokens]}  # fmt: skip
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = harness.bench_parser("bench-own-kernel", "The own quantized matvec kernel against MLX's, "
-                             "float32 and mlx-lm, per weight and per decode step (chapter 5.1).")  # fmt: skip
+def parse_args(bench: str, description: str, argv, decode: dict[str, dict], quick: str):
+    """bench-own-kernel's and bench-few-row's command line, and the model it names."""
+    p = harness.bench_parser(f"bench-{bench}", description)
     p.add_argument("--model", default="qwen3-0.6b", help="a shortcut with an embedded config")
-    p.add_argument("--num-layers", type=int_at_least(1), default=8)
-    p.add_argument("--decode-tokens", type=int_at_least(1), default=32, help="timed, a run")
-    p.add_argument("--iters", type=int_at_least(1), default=20, help="timings of each kernel")
-    p.add_argument("--repeats", type=int_at_least(1), default=3, help="runs of each part")
-    p.add_argument("--quick", action="store_true",
-                   help="a smoke run: 1 layer, 4 tokens, 3 timings, 1 repeat")  # fmt: skip
+    counts = {"--num-layers": {"default": 8}, **decode,
+              "--iters": {"default": 20, "help": "timings of each kernel"},
+              "--repeats": {"default": 3, "help": "runs of each part"}}  # fmt: skip
+    for flag, options in counts.items():
+        p.add_argument(flag, type=int_at_least(1), **options)
+    p.add_argument("--quick", action="store_true", help=f"a smoke run: {quick}")
     p.add_argument("--seed", type=int, default=0, help="the random weights' seed")
-    harness.add_output_arguments(p, "own-kernel-<model>-<N>layers-<host>.json")
+    harness.add_output_arguments(p, f"{bench}-<model>-<N>layers-<host>.json")
     args = p.parse_args(argv)
     if args.quick:
         args.num_layers, args.decode_tokens, args.iters, args.repeats = 1, 4, 3, 1
     model = harness.bench_model_or_exit(p, args.model, random=True, num_layers=args.num_layers,
                                         weight_seed=args.seed)  # fmt: skip
-    name = f"own-kernel-{harness.model_slug(model)}-{model.num_layers}layers-{harness.host_slug()}"
+    name = f"{bench}-{harness.model_slug(model)}-{model.num_layers}layers-{harness.host_slug()}"
     harness.set_output_paths(p, args, harness.RESULTS / f"{name}.json")
-    started, load = time.time(), os.getloadavg()
-    with tempfile.TemporaryDirectory(prefix="bench-own-kernel-") as tmp:
+    return args, model
+
+
+def run_parts(module: ModuleType, args, model, decodes: list[dict], settings: dict) -> int:
+    """The kernel part and each of `decodes` in fresh processes, then the report of `module`
+    (its label, run_line, summarize, targets and summary_table) with `settings` after the
+    arguments and the model."""
+    bench = module.__name__.rpartition(".")[2].replace("_", "-")
+    started = time.time()
+    with tempfile.TemporaryDirectory(prefix=f"bench-{bench}-") as tmp:
         harness.write_random_weights(model, Path(tmp), "float32")
         items = [{"part": "kernel", "iters": args.iters}]
-        items += [{"part": "decode", "variant": v, "model": model.to_dict(),
-                   "decode_tokens": args.decode_tokens} for v in VARIANTS]  # fmt: skip
+        items += [{"part": "decode", **decode, "model": model.to_dict(),
+                   "decode_tokens": args.decode_tokens} for decode in decodes]  # fmt: skip
         specs = [{**item, "repeat": r, "order": order}
                  for r, order, item in harness.plan_runs(items, args.repeats)]  # fmt: skip
-        runs = harness.run_plan(__name__, specs, Path(tmp), dict(os.environ), label, run_line)
-    for run in runs:
-        run.pop("model", None)  # the config is in settings, once
-    summary = summarize(runs)
+        runs = harness.run_plan(module.__name__, specs, Path(tmp), dict(os.environ),
+                                module.label, module.run_line)  # fmt: skip
+    summary = module.summarize(runs)
     settings = {**harness.arguments_json(args, ("json_output",)), "model": model.describe(),
-                "bits": BITS, "group_size": GROUP_SIZE, "prompt_tokens": PROMPT_TOKENS,
-                "warmup_steps": WARMUP_STEPS, "rows": list(ROWS),
-                "bandwidth_shape": list(BANDWIDTH_SHAPE), "loadavg_at_start": list(load),
-                "own_kernel_max_rows": own_kernel_max_rows()}  # fmt: skip
-    report = harness.report("own-kernel", started, settings, runs, summary, targets(summary))
-    harness.write_report(args, report, summary_table, seconds=report["host"]["duration_s"])
+                **settings}  # fmt: skip
+    report = harness.report(bench, started, settings, runs, summary, module.targets(summary))
+    harness.write_report(args, report, module.summary_table, seconds=report["host"]["duration_s"])
     return 0
 
 
-def own_kernel_max_rows() -> int:
-    from tiny_llm_ref.quantize import OWN_KERNEL_MAX_ROWS
-
-    return OWN_KERNEL_MAX_ROWS
+def main(argv: Sequence[str] | None = None) -> int:
+    args, model = parse_args(
+        "own-kernel", "The own quantized matvec kernel against MLX's, float32 and mlx-lm, per "
+        "weight and per decode step (chapter 5.1).", argv,
+        {"--decode-tokens": {"default": 32, "help": "timed, a run"}},
+        "1 layer, 4 tokens, 3 timings, 1 repeat")  # fmt: skip
+    settings = {"bits": BITS, "group_size": GROUP_SIZE, "prompt_tokens": PROMPT_TOKENS,
+                "warmup_steps": WARMUP_STEPS, "rows": list(ROWS),
+                "bandwidth_shape": list(BANDWIDTH_SHAPE), "loadavg_at_start": list(os.getloadavg()),
+                "own_kernel_max_rows": OWN_KERNEL_MAX_ROWS}  # fmt: skip
+    decodes = [{"variant": v} for v in VARIANTS]
+    return run_parts(sys.modules[__name__], args, model, decodes, settings)
 
 
 def label(spec: dict[str, Any]) -> str:
@@ -261,10 +256,9 @@ def run_line(run: dict[str, Any]) -> str:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Medians over the repeats of each run's medians, and the ratios the targets read."""
     kernels = [r for r in runs if r["part"] == "kernel"]
-    med = lambda values: harness.median(list(values))  # noqa: E731
-    kernel = {shape: {key: med(r["kernel"][shape][key] for r in kernels)
-                      if kernels[0]["kernel"][shape][key] is not None else None
-                      for key in row} for shape, row in kernels[0]["kernel"].items()}  # fmt: skip
+    med = harness.median  # None values left out: plain_ms is None but on the first weight
+    kernel = {shape: {key: med(r["kernel"][shape][key] for r in kernels) for key in row}
+              for shape, row in kernels[0]["kernel"].items()}  # fmt: skip
     rows = [{key: med(r["rows"][i][key] for r in kernels) for key in row}
             for i, row in enumerate(kernels[0]["rows"])]  # fmt: skip
     decode = {}

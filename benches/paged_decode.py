@@ -1,39 +1,24 @@
-"""5.2: fused paged decode attention (kernels.paged_decode_attention) against what it replaces.
+"""5.2: fused paged decode attention (kernels.paged_decode_attention) against what it replaces, on
+one decode step of one layer of Qwen3-0.6B's shape (float32): own-kernel (the model's path),
+own-plain (Task 1's walk), paged-attention (Week 3 Day 5's), gather-sdpa (MLX's attention on the
+gathered pages) and dense-sdpa (on a contiguous cache), taking turns on the same pool of shuffled
+pages, each checked against dense-sdpa: the median ms and the KV bytes read per second.
 
-One decode step's attention of one layer, Qwen3-0.6B's shape (16 query heads, 8 KV heads, head
-dim 128, float32), --batch rows that each hold --contexts positions in a page pool whose pages are
-handed out in shuffled order (as a pool that has served a while holds them). Variants, on the
-same pool and the same queries, taking turns (the order reversed every round) until each has
---iters timings:
-
-- own-kernel: own_decode_attention, the path the model takes with use_own_decode_kernel (the
-  tables padded into one int32 array, then the fused kernel: Tasks 2 and 3);
-- own-plain: the plain walk of Task 1 (one query head, one position at a time);
-- paged-attention: Week 3 Day 5's in-place walk with MLX ops (today's path);
-- gather-sdpa: the pages gathered into [B, H_kv, S, D], then MLX's attention (Week 2's way);
-- dense-sdpa: mx.fast.scaled_dot_product_attention on a contiguous cache of the same length.
-
-Every output is checked against dense-sdpa's first (over 1e-4: an error). Reports the median
-ms, the KV bytes a call must read over that time (GB/s), and the ratios the targets read.
-
-Targets (issue 45): at 4096 positions, batch 8: own-kernel >= 1.5x faster than paged-attention,
-and at most 1.2x dense-sdpa's time.
-
-    pdm run bench-paged-decode [--batch 8] [--contexts 512 1024 2048 4096] [--iters 15]
-    pdm run bench-paged-decode --quick        # a smoke run: batch 2, 256 positions, 3 timings
-
-Writes benches/results/paged-decode-<host>.json (or --json-output).
+    pdm run bench-paged-decode [--batch 8] [--contexts 512 1024 2048 4096] [--iters 15] [--quick]
 """
-
-from __future__ import annotations
 
 import math
 import os
 import time
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
+import mlx.core as mx
+import numpy as np
+
 from benches import harness
+from benches.ceilings import timed
 from tiny_llm_support.cli import int_at_least
 
 H_Q, H_KV, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
@@ -47,94 +32,62 @@ class Disagreement(RuntimeError):
     """A variant's output differs from dense-sdpa's by more than AGREEMENT_ATOL."""
 
 
-class Pool:
-    """What paged_attention and own_decode_attention read of a TinyKvPagedPool."""
-
-    def __init__(self, key_pages, value_pages, page_size: int):
-        self.key_pages, self.value_pages, self.page_size = key_pages, value_pages, page_size
-        self.num_kv_heads, self.head_dim = key_pages.shape[1], key_pages.shape[3]
-        self.decode_kernel = None  # paged_attention's own walk
-
-
 def problem(batch: int, context: int, page_size: int, seed: int):
     """The pool, its page tables (shuffled pages), the dense cache of the same keys and values,
     and the queries [B, H_q, 1, D]."""
-    import mlx.core as mx
-    import numpy as np
-
-    pages_per_row = -(-context // page_size)
-    num_pages = batch * pages_per_row
-    key = mx.random.key(seed)
-    k1, k2, k3 = mx.random.split(key, 3)
-    dense_k = mx.random.normal((batch, H_KV, pages_per_row * page_size, HEAD_DIM), key=k1)
-    dense_v = mx.random.normal((batch, H_KV, pages_per_row * page_size, HEAD_DIM), key=k2)
+    n = -(-context // page_size)  # pages a row
+    k1, k2, k3 = mx.random.split(mx.random.key(seed), 3)
+    dense = [mx.random.normal((batch, H_KV, n * page_size, HEAD_DIM), key=k) for k in (k1, k2)]
     query = mx.random.normal((batch, H_Q, 1, HEAD_DIM), key=k3)
-    order = np.random.RandomState(seed).permutation(num_pages)
-    tables = [order[b * pages_per_row : (b + 1) * pages_per_row].tolist() for b in range(batch)]
+    order = np.random.RandomState(seed).permutation(batch * n)
+    tables = [order[b * n : (b + 1) * n].tolist() for b in range(batch)]
+    where = mx.array(np.argsort(order))  # pool page p holds the flat block where[p]
 
-    def paged(dense):  # [B, H_kv, n * P, D] -> pool [num_pages, H_kv, P, D], pages per table
-        blocks = dense.reshape(batch, H_KV, pages_per_row, page_size, HEAD_DIM)
-        blocks = blocks.transpose(0, 2, 1, 3, 4).reshape(num_pages, H_KV, page_size, HEAD_DIM)
-        where = mx.array(np.argsort(order))  # pool page p holds the flat block where[p]
-        return blocks[where]
+    def paged(d):  # [B, H_kv, n * P, D] -> the pool [B * n, H_kv, P, D]
+        blocks = d.reshape(batch, H_KV, n, page_size, HEAD_DIM).transpose(0, 2, 1, 3, 4)
+        return blocks.reshape(batch * n, H_KV, page_size, HEAD_DIM)[where]
 
-    pool = Pool(paged(dense_k), paged(dense_v), page_size)
-    dense_k, dense_v = dense_k[:, :, :context], dense_v[:, :, :context]
-    dense_k, dense_v = mx.contiguous(dense_k), mx.contiguous(dense_v)
+    pool = SimpleNamespace(  # what paged_attention and own_decode_attention read of a pool
+        key_pages=paged(dense[0]), value_pages=paged(dense[1]), page_size=page_size,
+        num_kv_heads=H_KV, head_dim=HEAD_DIM, decode_kernel=None)  # fmt: skip
+    dense_k, dense_v = (mx.contiguous(d[:, :, :context]) for d in dense)
     mx.eval(pool.key_pages, pool.value_pages, dense_k, dense_v, query)
     return pool, tables, dense_k, dense_v, query
 
 
 def variants(pool, tables, lengths, dense_k, dense_v, query) -> dict[str, Callable[[], Any]]:
-    import mlx.core as mx
-
     from tiny_llm_ref.flash_attention import paged_attention
     from tiny_llm_ref.kernels import paged_decode_attention
     from tiny_llm_ref.paged_decode import own_decode_attention
 
-    scale = 1.0 / math.sqrt(HEAD_DIM)
+    scale, sdpa = 1.0 / math.sqrt(HEAD_DIM), mx.fast.scaled_dot_product_attention
     context, batch = lengths[0], len(lengths)
 
     def plain():
-        table = mx.array(tables, dtype=mx.int32)
-        out = paged_decode_attention(
-            query[:, :, 0], pool.key_pages, pool.value_pages, table,
-            mx.array(lengths, dtype=mx.int32), scale, fast=False)  # fmt: skip
+        table, sizes = mx.array(tables, dtype=mx.int32), mx.array(lengths, dtype=mx.int32)
+        out = paged_decode_attention(query[:, :, 0], pool.key_pages, pool.value_pages, table,
+                                     sizes, scale, fast=False)  # fmt: skip
         return out[:, :, None]
 
     def gather_sdpa():
         table = mx.array(tables)  # [B, n]
-        k = pool.key_pages[table].swapaxes(1, 2).reshape(batch, H_KV, -1, HEAD_DIM)
-        v = pool.value_pages[table].swapaxes(1, 2).reshape(batch, H_KV, -1, HEAD_DIM)
-        return mx.fast.scaled_dot_product_attention(
-            query, k[:, :, :context], v[:, :, :context], scale=scale)  # fmt: skip
+        k, v = (pages[table].swapaxes(1, 2).reshape(batch, H_KV, -1, HEAD_DIM)[:, :, :context]
+                for pages in (pool.key_pages, pool.value_pages))  # fmt: skip
+        return sdpa(query, k, v, scale=scale)
 
     return {
         "own-kernel": lambda: own_decode_attention(query, pool, tables, lengths, scale),
         "own-plain": plain,
         "paged-attention": lambda: paged_attention(query, pool, tables, lengths, scale),
         "gather-sdpa": gather_sdpa,
-        "dense-sdpa": lambda: mx.fast.scaled_dot_product_attention(
-            query, dense_k, dense_v, scale=scale
-        ),  # fmt: skip
+        "dense-sdpa": lambda: sdpa(query, dense_k, dense_v, scale=scale),
     }
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    import mlx.core as mx
-
-    start = time.perf_counter()
-    mx.eval(fn())
-    return time.perf_counter() - start
 
 
 def measure_context(batch: int, context: int, page_size: int, iters: int, seed: int) -> dict:
     """Every variant at one context: checked, warmed up, then in turns, iters timings each."""
-    import mlx.core as mx
-
     pool, tables, dense_k, dense_v, query = problem(batch, context, page_size, seed)
-    lengths = [context] * batch
-    fns = variants(pool, tables, lengths, dense_k, dense_v, query)
+    fns = variants(pool, tables, [context] * batch, dense_k, dense_v, query)
     want = fns["dense-sdpa"]()
     for name, fn in fns.items():
         err = mx.abs(fn() - want).max().item()
@@ -142,18 +95,15 @@ def measure_context(batch: int, context: int, page_size: int, iters: int, seed: 
             raise Disagreement(f"{name} at {context} positions: off by {err:.3g} from dense-sdpa")
         timed(fn)  # a warm-up
     times: dict[str, list[float]] = {name: [] for name in fns}
-    names = list(fns)
-    for i in range(iters):
-        for name in names if i % 2 == 0 else reversed(names):
-            times[name].append(timed(fns[name]))
+    for _, _, name in harness.plan_runs(list(fns), iters):  # the order reversed every round
+        times[name].append(timed(fns[name]))
     kv_bytes = 2 * batch * H_KV * context * HEAD_DIM * 4
     record: dict[str, Any] = {"context": context, "kv_mb": kv_bytes / 1e6}
     for name, ts in times.items():
         ms = 1000 * harness.median(ts)
         record[name] = {"ms": ms, "gbs": kv_bytes / ms / 1e6, "timings_ms": [1000 * t for t in ts]}
     own, paged, dense = (record[v]["ms"] for v in ("own-kernel", "paged-attention", "dense-sdpa"))
-    record["own_vs_paged_attention"] = paged / own
-    record["own_over_dense_sdpa"] = own / dense
+    record["own_vs_paged_attention"], record["own_over_dense_sdpa"] = paged / own, own / dense
     del pool, dense_k, dense_v, fns
     mx.clear_cache()
     return record
@@ -178,7 +128,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     for context in args.contexts:
         harness.log(f"{context} positions, batch {args.batch}")
         runs.append(measure_context(args.batch, context, args.page_size, args.iters, args.seed))
-    summary = summarize(runs)
+    summary = {str(r["context"]): {**{v: {"ms": r[v]["ms"], "gbs": r[v]["gbs"]} for v in VARIANTS},
+                                   "kv_mb": r["kv_mb"], **{k: r[k] for k in TARGETS}}
+               for r in runs}  # fmt: skip
     settings = {**harness.arguments_json(args, ("json_output",)), "heads": H_Q,
                 "kv_heads": H_KV, "head_dim": HEAD_DIM, "dtype": "float32",
                 "threads": os.cpu_count(), "loadavg_at_start": list(load)}  # fmt: skip
@@ -187,42 +139,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per context: each variant's median ms and GB/s, and the two ratios."""
-    return {str(r["context"]): {**{v: {"ms": r[v]["ms"], "gbs": r[v]["gbs"]} for v in VARIANTS},
-                                "kv_mb": r["kv_mb"],
-                                "own_vs_paged_attention": r["own_vs_paged_attention"],
-                                "own_over_dense_sdpa": r["own_over_dense_sdpa"]}
-            for r in runs}  # fmt: skip
-
-
 def targets(summary: dict[str, Any]) -> dict[str, Any]:
     """At TARGET_CONTEXT (the longest context measured, if it was not)."""
     context = str(TARGET_CONTEXT) if str(TARGET_CONTEXT) in summary else max(summary, key=int)
-    row = summary[context]
-    speedup, over = row["own_vs_paged_attention"], row["own_over_dense_sdpa"]
-    return {
-        "own_vs_paged_attention": {"target": TARGETS["own_vs_paged_attention"], "value": speedup,
-                                   "met": speedup >= TARGETS["own_vs_paged_attention"],
-                                   "context": int(context)},
-        "own_over_dense_sdpa": {"target": TARGETS["own_over_dense_sdpa"], "value": over,
-                                "met": over <= TARGETS["own_over_dense_sdpa"],
-                                "context": int(context)},
-    }  # fmt: skip
+    out = {}
+    for key, bound in TARGETS.items():
+        value = summary[context][key]
+        met = value >= bound if key == "own_vs_paged_attention" else value <= bound
+        out[key] = {"target": bound, "value": value, "met": met, "context": int(context)}
+    return out
 
 
 def summary_table(report: dict[str, Any]) -> str:
-    s = report["summary"]
     rows = [[context, f"{r['kv_mb']:.0f}",
              *(f"{r[v]['ms']:.2f} ({r[v]['gbs']:.1f})" for v in VARIANTS),
              f"{r['own_vs_paged_attention']:.2f}", f"{r['own_over_dense_sdpa']:.2f}"]
-            for context, r in s.items()]  # fmt: skip
-    t = report["targets"]
-    goals = [f"own_vs_paged_attention >= {t['own_vs_paged_attention']['target']}: "
-             f"{t['own_vs_paged_attention']['value']:.2f}, "
-             f"{harness.met(t['own_vs_paged_attention']['met'])}",
-             f"own_over_dense_sdpa <= {t['own_over_dense_sdpa']['target']}: "
-             f"{t['own_over_dense_sdpa']['value']:.2f}, "
-             f"{harness.met(t['own_over_dense_sdpa']['met'])}"]  # fmt: skip
+            for context, r in report["summary"].items()]  # fmt: skip
+    goals = [f"{k} {'>=' if k == 'own_vs_paged_attention' else '<='} {t['target']}: "
+             f"{t['value']:.2f}, {harness.met(t['met'])}"
+             for k, t in report["targets"].items()]  # fmt: skip
     head = ["positions", "KV MB", *(f"{v} ms (GB/s)" for v in VARIANTS), "vs paged", "/ dense"]
     return "\n".join([harness.table(head, rows), *goals])

@@ -1,25 +1,19 @@
 """Week 4 Day 4: what a prefix cache saves on an agent-like trace (chapter 4.4).
 
-The committed trace (benches/traces/prefix-agent.json, checked by its SHA-256) is a system prompt
-shared by several conversations of several turns. Every turn sends the whole conversation so far
-(the server's own answers included) plus a new user message of token ids, and arrives the moment
-the previous answer is complete; every answer is max_tokens long, greedy, EOS ignored. Each mode
-serves it in a fresh process after a short warm-up: off (the Engine on plain paged pools, hybrid
-policy), on (the same with prefix_cache=True), mlx-lm (its LRUPromptCache, one request at a time,
-as mlx_lm.server serves). Per mode: prompt tokens prefilled and cached, time to first token (from
-a turn's arrival) of the first and of the later turns, wall time, peak pages, whether the ids
-equal cache-off's; then the issue's targets, met or not.
+Each mode serves the committed trace (benches/traces/prefix-agent.json: conversations on a shared
+system prompt, each turn sent whole the moment the previous answer is complete) in a fresh process
+after a short warm-up: off (the Engine on paged pools), on (prefix_cache=True) and mlx-lm (its
+LRUPromptCache, as mlx_lm.server serves). Per mode: prompt tokens prefilled and cached, TTFT of
+the first and the later turns, peak pages, whether the ids equal cache-off's; the issue's targets.
 
     pdm run bench-prefix-cache [--conversations 2 --turns 2 --system-tokens 128]
     pdm run bench-prefix-cache --write-trace PATH [--seed N ...]    # make a trace, run nothing
-
-Writes benches/results/prefix-cache-<model>-<layers>layers-<host>.json and a PNG beside it. The
-trace file and its replay through the Engine and mlx-lm are in benches/prefix_cache_trace.py.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from collections.abc import Sequence
@@ -29,15 +23,7 @@ from typing import Any
 import mlx.core as mx
 
 from benches import harness, trace_run
-from benches.prefix_cache_trace import (
-    DEFAULT_TRACE,
-    DEFAULT_TRACE_SHA256,
-    AgentTrace,
-    new_trace_text,
-    read_trace,
-    serve_engine,
-    serve_mlx_lm,
-)
+from benches.prefix_cache_trace import AgentTrace, run_metrics, serve_engine, serve_mlx_lm
 from tiny_llm_support import choose_device, mlx_lm_qwen3
 from tiny_llm_support.cli import int_at_least, load_solution
 
@@ -48,14 +34,19 @@ WARMUP_TOKENS, WARMUP_SEED = 256, 1_000_003  # the warm-up's system prompt (at m
 RUN_ERRORS = (trace_run.WrongOutput,)  # a run that generated the wrong number of tokens
 TARGET_PREFILL_FRACTION = 0.20  # the issue: prompt tokens computed, on / off, at most
 TARGET_TTFT_SPEEDUP = 5.0  # the issue: p50 TTFT of turns 2.., off / on, at least
-
-
-# --- one mode, in its own process ----------------------------------------------------------
+TRACE_SCHEMA = "tiny-llm/prefix-trace/v1"
+DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "prefix-agent.json"
+# The SHA-256 of the committed trace's bytes: a changed file is refused, so that results under
+# one name always come from one trace. Update it together with the file (--write-trace).
+DEFAULT_TRACE_SHA256 = "98be1060f03384c4282cb17c4fd3990c74aaf66327885ddc2bb2244908009bf6"
+COLUMNS = {"prefilled": "prefill_tokens", "cached": "cached_tokens",
+           "TTFT t1 p50": "ttft_turn1_ms_p50", "p95": "ttft_turn1_ms_p95",
+           "TTFT t2+ p50": "ttft_later_ms_p50", "p95 ": "ttft_later_ms_p95", "wall s": "wall_s",
+           "tok/s": "generated_tokens_per_s", "peak pages": "peak_pages"}  # fmt: skip
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a run's own process: load the model, serve a warm-up (one conversation of two short
-    turns, ids of its own) on caches thrown away, then serve the trace once."""
+    """In a run's own process: load, a warm-up (two short turns, ids of its own), the trace."""
     t0 = time.perf_counter()
     device = choose_device(spec["device"])
     trace = AgentTrace(**spec["trace"])
@@ -84,41 +75,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
             "requests": records}  # fmt: skip
 
 
-def run_metrics(records: list[dict[str, Any]], counts: dict[str, Any]) -> dict[str, Any]:
-    """The run's numbers (times in ms unless named _s; "later": every turn after the first)
-    and its per-turn lists."""
-    ttft = lambda rs, q: _ms([r["first_token_s"] - r["arrival_s"] for r in rs], q)
-    last = max(r["turn"] for r in records)
-    turns = [[r for r in records if r["turn"] == t] for t in range(1, last + 1)]
-    first, later = turns[0], [r for rs in turns[1:] for r in rs]
-    wall, prompt = max(r["finish_s"] for r in records), sum(r["prompt_tokens"] for r in records)
-    generated = sum(len(r["token_ids"]) for r in records)
-    return {
-        "requests": len(records), "wall_s": wall, "generated_tokens": generated,
-        "generated_tokens_per_s": generated / wall, "prompt_tokens": prompt,
-        "prefill_tokens": counts["prefill_tokens"], "cached_tokens": counts["cached_tokens"],
-        "prefill_fraction": counts["prefill_tokens"] / prompt,
-        "ttft_turn1_ms_p50": ttft(first, 50), "ttft_turn1_ms_p95": ttft(first, 95),
-        "ttft_later_ms_p50": ttft(later, 50), "ttft_later_ms_p95": ttft(later, 95),
-        "wait_later_ms_p50": _ms([r["start_s"] - r["arrival_s"] for r in later], 50),
-        "peak_pages": counts.get("peak_pages"),
-        "by_turn": {
-            "ttft_ms_p50": [ttft(rs, 50) for rs in turns],
-            "ttft_ms_p95": [ttft(rs, 95) for rs in turns],
-            "prompt_tokens": [sum(r["prompt_tokens"] for r in rs) for rs in turns],
-            "prefill_tokens": [sum(r["prefill_tokens"] for r in rs) for rs in turns],
-        },
-    }  # fmt: skip
-
-
-def _ms(seconds: list[float], q: float) -> float | None:
-    """The q-th percentile of `seconds`, in ms (None for none)."""
-    return None if not seconds else 1000 * harness.percentile(seconds, q)
-
-
-# --- the parent: the command line, the runs, the report -------------------------------------
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = harness.bench_parser("bench-prefix-cache", __doc__.split("\n\n")[0])
     harness.add_model_arguments(p, "qwen3-0.6b", default_layers=DEFAULT_LAYERS)
@@ -145,9 +101,56 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def new_trace_text(args: argparse.Namespace, model: harness.BenchModel) -> str:
+    """A new trace file: system prompt from --seed, user messages from --seed + 1, a list a line."""
+    (low, high), n, turns = args.user_tokens, args.conversations, args.turns
+    vocab = (model.token_ids, model.excluded_ids)
+    system = trace_run.make_trace(args.seed, 1, (args.system_tokens,) * 2, (1, 1), *vocab)
+    messages = trace_run.make_trace(args.seed + 1, n * turns, (low, high), (1, 1), *vocab).prompts
+    sizes = f"--system-tokens {args.system_tokens} --conversations {n} --turns {turns}"
+    command = (f"python benches/prefix_cache.py --write-trace PATH --model {model.name} --seed "
+               f"{args.seed} {sizes} --user-tokens {low} {high} --max-tokens "
+               f"{args.max_tokens}")  # fmt: skip
+    generator = {"seed": args.seed, "token_ids": list(model.token_ids),
+                 "excluded_ids": model.excluded_ids, "system_tokens": args.system_tokens,
+                 "conversations": n, "turns": turns, "user_tokens": [low, high],
+                 "model": model.name, "command": command}  # fmt: skip
+    about = (
+        "an agent-like trace for bench-prefix-cache: a system prompt shared by every "
+        "conversation; per conversation, the new user message of each turn (token ids). Each "
+        "turn's prompt is the system prompt, then every earlier user message followed by the "
+        "server's own answer to it, then the turn's user message."
+    )
+    head = {"schema": TRACE_SCHEMA, "about": about, "generator": generator,
+            "max_tokens": args.max_tokens}  # fmt: skip
+    ids = lambda xs: json.dumps(xs, separators=(",", ":"))
+    conversations = [messages[c * turns : (c + 1) * turns] for c in range(n)]
+    rows = [",\n".join(f"      {ids(u)}" for u in c) for c in conversations]
+    rows = ",\n".join(f"    [\n{c}\n    ]" for c in rows)
+    body = {"system": ids(system.prompts[0]), "conversations": f"[\n{rows}\n  ]"}
+    return trace_run.trace_text(head, body)
+
+
+def read_trace(path: Path) -> tuple[AgentTrace, dict[str, Any], str]:
+    """The trace in a file, the file's other fields, and the SHA-256 of its bytes."""
+    data, sha = trace_run.read_trace_file(path, TRACE_SCHEMA, trace_problem)
+    other = {k: v for k, v in data.items() if k not in ("system", "conversations", "about")}
+    return AgentTrace(data["system"], data["conversations"], data["max_tokens"]), other, sha
+
+
+def trace_problem(data: dict[str, Any]) -> str | None:
+    nonempty = lambda xs, ok: isinstance(xs, list) and xs and all(ok(x) for x in xs)
+    turns = lambda c: nonempty(c, trace_run.is_token_ids)
+    if trace_run.is_token_ids(data.get("system")) and nonempty(data.get("conversations"), turns):
+        return None
+    return (
+        "'system' must be a non-empty list of token ids, 'conversations' a non-empty list of "
+        "conversations, each a non-empty list of user messages (ids)"
+    )
+
+
 def load_trace(p: argparse.ArgumentParser, args, model: harness.BenchModel):
-    """The trace to serve (the file's, cut as asked) and what the report says of the file;
-    argparse's error for a trace this model cannot serve."""
+    """The file's trace cut as asked, and what the report says of it; argparse's error if unfit."""
     default, remake = (DEFAULT_TRACE, DEFAULT_TRACE_SHA256), "regenerate it with --write-trace"
     full, other, sha, committed = trace_run.load_trace(p, args.trace, read_trace, default, remake)
     system, max_tokens = full.system[: args.system_tokens], args.max_tokens or full.max_tokens
@@ -201,13 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         runs = harness.run_plan(__name__, specs, Path(tmp), env, label, run_line)
     token_agreement(runs)
     summary = {mode: aggregate([r for r in runs if r["mode"] == mode]) for mode in MODES}
-    mlx_lm = harness.package_version("mlx-lm")
     leave_out = ("model", "trace", "write_trace", "user_tokens", "json_output", "plot_output")
     settings = {**harness.arguments_json(args, leave_out), "policy": "hybrid",
                 "max_seq_len": trace.max_seq_len, "model": model.describe(), "trace": about,
-                "mlx_lm_version": mlx_lm}  # fmt: skip
-    blas = harness.runs_blas(runs, env, preloaded, core)
-    goals = targets(summary)
+                "mlx_lm_version": harness.package_version("mlx-lm")}  # fmt: skip
+    goals, blas = targets(summary), harness.runs_blas(runs, env, preloaded, core)
     report = harness.report("prefix-cache", started, settings, runs, summary, goals, blas)
     harness.write_report(args, report, table, plot)
     return 0
@@ -223,8 +224,7 @@ def run_line(run: dict[str, Any]) -> str:
 
 
 def token_agreement(runs: list[dict[str, Any]]) -> None:
-    """Add to every run whether its generated ids (and text) equal those of the first
-    cache-off run, request by request, and where they first differ."""
+    """Add to every run whether its ids (and text) equal the first cache-off run's, where not."""
     off = next(r for r in runs if r["mode"] == "off")["requests"]
     want = {(q["conversation"], q["turn"]): q for q in off}
     for run in runs:
@@ -234,18 +234,13 @@ def token_agreement(runs: list[dict[str, Any]]) -> None:
         if found["first"] is not None:
             q, token = requests[found["first"][0]], found["first"][1]
             first = {"conversation": q["conversation"], "turn": q["turn"], "token": token}
-        run["agreement_with_off"] = {
-            "same_token_ids": found["ids"] == 0,
-            "same_text": found["texts"] == 0,
-            "requests_same": len(requests) - found["ids"],
-            "requests_different": found["ids"],
-            "first_difference": first,
-        }
+        run["agreement_with_off"] = {"same_token_ids": found["ids"] == 0,
+            "same_text": found["texts"] == 0, "requests_same": len(requests) - found["ids"],
+            "requests_different": found["ids"], "first_difference": first}  # fmt: skip
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One mode's runs: the median of every number (and min and max of the scalars), and
-    whether every run's ids (and text) equal cache-off's."""
+    """One mode's runs: medians (and min, max of the scalars); ids (and text) all as off's?"""
     metrics = [r["metrics"] for r in runs]
     scalars = [k for k in metrics[0] if k not in ("requests", "by_turn")]
     stats = {"median": harness.median, "min": harness.least, "max": harness.greatest}
@@ -285,14 +280,6 @@ def targets(modes: dict[str, Any]) -> dict[str, Any]:
     }  # fmt: skip
 
 
-# --- the table and the plot -------------------------------------------------------------------
-
-COLUMNS = {"prefilled": "prefill_tokens", "cached": "cached_tokens",
-           "TTFT t1 p50": "ttft_turn1_ms_p50", "p95": "ttft_turn1_ms_p95",
-           "TTFT t2+ p50": "ttft_later_ms_p50", "p95 ": "ttft_later_ms_p95", "wall s": "wall_s",
-           "tok/s": "generated_tokens_per_s", "peak pages": "peak_pages"}  # fmt: skip
-
-
 def table(report: dict[str, Any]) -> str:
     """Per mode the medians (TTFT in ms), then each target, met or not."""
     rows = []
@@ -314,15 +301,14 @@ def table(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
-    """Left: p50 TTFT per turn (bars to p95) for each mode, log scale. Right: prompt tokens
-    computed per turn (all conversations), each mode beside the prompt tokens sent."""
+    """Left: p50 TTFT per turn (bars to p95) per mode. Right: prompt tokens computed per turn."""
     plt = harness.pyplot()
     if plt is None:
         return None
     modes, s = report["summary"], report["settings"]
     colors = {"off": "tab:red", "on": "tab:green", "mlx-lm": "tab:blue"}
-    labels = {"off": "engine, cache off", "on": "engine, prefix cache"}
-    labels["mlx-lm"] = "mlx-lm prompt cache"
+    labels = {"off": "engine, cache off", "on": "engine, prefix cache",
+              "mlx-lm": "mlx-lm prompt cache"}  # fmt: skip
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120)
     for mode, row in modes.items():
         p50, p95 = row["by_turn_median"]["ttft_ms_p50"], row["by_turn_median"]["ttft_ms_p95"]

@@ -1,33 +1,17 @@
-"""bench-prefix-cache's agent trace (benches/traces/prefix-agent.json) and its replay. The file:
-a system prompt shared by several conversations, each turn's new user message as token ids
-(AgentTrace; new_trace_text makes one, read_trace reads and checks it). The replay, closed-loop:
+"""bench-prefix-cache's agent trace (AgentTrace), its closed-loop replay and the run's numbers:
 each turn sends the whole conversation so far and arrives the moment the previous answer is
-complete (Requests), served by the solution's Engine (serve_engine) or by mlx-lm as
-mlx_lm.server serves it (serve_mlx_lm).
-"""
+complete, served by the solution's Engine or by mlx-lm as mlx_lm.server serves it."""
 
 from __future__ import annotations
 
-import argparse
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from benches import harness, trace_run
 
-TRACE_SCHEMA = "tiny-llm/prefix-trace/v1"
-DEFAULT_TRACE = Path(__file__).resolve().parent / "traces" / "prefix-agent.json"
-# The SHA-256 of the committed trace file's bytes: a changed file is refused, so that results
-# under one name always come from one trace. Regenerate it with --write-trace (the file records
-# the command) and update this line together with it.
-DEFAULT_TRACE_SHA256 = "98be1060f03384c4282cb17c4fd3990c74aaf66327885ddc2bb2244908009bf6"
 MLX_LM_MODEL_KEY = ("bench-prefix-cache", None, None)  # mlx_lm.server keys a cache by model
-
-
-# --- the trace file -----------------------------------------------------------------------
 
 
 @dataclass
@@ -41,10 +25,8 @@ class AgentTrace(trace_run.TraceContent):
     @property
     def max_seq_len(self) -> int:
         """The longest request: a conversation's last turn with its answer."""
-        return max(
-            len(self.system) + sum(len(u) for u in turns) + self.max_tokens * len(turns)
-            for turns in self.conversations
-        )
+        n = len(self.system)
+        return max(n + sum(map(len, c)) + self.max_tokens * len(c) for c in self.conversations)
 
     def describe(self) -> dict[str, Any]:
         lengths = [[len(u) for u in c] for c in self.conversations]
@@ -54,63 +36,8 @@ class AgentTrace(trace_run.TraceContent):
                 "max_seq_len": self.max_seq_len}  # fmt: skip
 
 
-def new_trace_text(args: argparse.Namespace, model: harness.BenchModel) -> str:
-    """A new trace file: ids drawn uniformly from the model's ordinary ids, the system prompt
-    from --seed, the user messages (lengths uniform in --user-tokens) from --seed + 1; JSON
-    with one line per id list, so that a diff of the file stays readable."""
-    (low, high), n, turns = args.user_tokens, args.conversations, args.turns
-    vocab = (model.token_ids, model.excluded_ids)
-    system = trace_run.make_trace(args.seed, 1, (args.system_tokens,) * 2, (1, 1), *vocab)
-    messages = trace_run.make_trace(args.seed + 1, n * turns, (low, high), (1, 1), *vocab).prompts
-    sizes = f"--system-tokens {args.system_tokens} --conversations {n} --turns {turns}"
-    command = (f"python benches/prefix_cache.py --write-trace PATH --model {model.name} --seed "
-               f"{args.seed} {sizes} --user-tokens {low} {high} --max-tokens "
-               f"{args.max_tokens}")  # fmt: skip
-    generator = {"seed": args.seed, "token_ids": list(model.token_ids),
-                 "excluded_ids": model.excluded_ids, "system_tokens": args.system_tokens,
-                 "conversations": n, "turns": turns, "user_tokens": [low, high],
-                 "model": model.name, "command": command}  # fmt: skip
-    about = (
-        "an agent-like trace for bench-prefix-cache: a system prompt shared by every "
-        "conversation; per conversation, the new user message of each turn (token ids). Each "
-        "turn's prompt is the system prompt, then every earlier user message followed by the "
-        "server's own answer to it, then the turn's user message."
-    )
-    head = {"schema": TRACE_SCHEMA, "about": about, "generator": generator,
-            "max_tokens": args.max_tokens}  # fmt: skip
-    ids = lambda xs: json.dumps(xs, separators=(",", ":"))
-    conversations = [messages[c * turns : (c + 1) * turns] for c in range(n)]
-    rows = [",\n".join(f"      {ids(u)}" for u in c) for c in conversations]
-    rows = ",\n".join(f"    [\n{c}\n    ]" for c in rows)
-    body = {"system": ids(system.prompts[0]), "conversations": f"[\n{rows}\n  ]"}
-    return trace_run.trace_text(head, body)
-
-
-def read_trace(path: Path) -> tuple[AgentTrace, dict[str, Any], str]:
-    """The trace in a file, the file's other fields, and the SHA-256 of its bytes."""
-    data, sha = trace_run.read_trace_file(path, TRACE_SCHEMA, trace_problem)
-    other = {k: v for k, v in data.items() if k not in ("system", "conversations", "about")}
-    return AgentTrace(data["system"], data["conversations"], data["max_tokens"]), other, sha
-
-
-def trace_problem(data: dict[str, Any]) -> str | None:
-    """What a trace file's contents lack, or None."""
-    nonempty = lambda xs, ok: isinstance(xs, list) and xs and all(ok(x) for x in xs)
-    turns = lambda c: nonempty(c, trace_run.is_token_ids)
-    if trace_run.is_token_ids(data.get("system")) and nonempty(data.get("conversations"), turns):
-        return None
-    return (
-        "'system' must be a non-empty list of token ids, 'conversations' a non-empty list of "
-        "conversations, each a non-empty list of user messages (ids)"
-    )
-
-
-# --- the replay, closed-loop ---------------------------------------------------------------
-
-
 class Requests:
-    """Every request of a run, in the order they arrived, and the run's clock (seconds from its
-    start, when every first turn arrives)."""
+    """A run's requests in arrival order, and its clock (from the start: every first turn's)."""
 
     def __init__(self, trace: AgentTrace):
         self.trace, self.t0 = trace, time.perf_counter()
@@ -146,8 +73,8 @@ class Requests:
 
 
 def serve_engine(api, model, tokenizer, trace: AgentTrace, spec: dict[str, Any]):
-    """The trace, closed-loop, through the solution's Engine on fresh paged pools (with
-    prefix_cache=True in mode "on"): (records, what the pools and the engine counted)."""
+    """The trace through the solution's Engine on fresh paged pools (prefix_cache=True in mode
+    "on"): (records, what the pools and the engine counted)."""
     shared = {"prefix_cache": True} if spec["mode"] == "on" else {}  # no such keyword before 4.4
     pools = model.create_kv_pools(spec["page_size"], None, **shared)
     by_id: dict[int, dict[str, Any]] = {}
@@ -162,7 +89,7 @@ def serve_engine(api, model, tokenizer, trace: AgentTrace, spec: dict[str, Any])
                         batch_size=spec["batch_size"], prefill_step=spec["prefill_step"],
                         policy="hybrid", on_step=on_step)  # fmt: skip
     params = api.SamplingParams(max_tokens=trace.max_tokens, ignore_eos=True)
-    requests = Requests(trace)
+    requests = Requests(trace)  # the run's clock starts here, the engine made
 
     def add(conversation: int, turn: int) -> None:
         record, prompt = requests.next_prompt(conversation, turn)
@@ -199,11 +126,9 @@ def serve_engine(api, model, tokenizer, trace: AgentTrace, spec: dict[str, Any])
 
 
 def serve_mlx_lm(model, trace: AgentTrace):
-    """The trace, closed-loop, through mlx-lm one request at a time in arrival order, as
-    mlx_lm.server's unbatched path serves it: the nearest cached prefix from its LRUPromptCache
-    (a deep copy, trimmed when it came from a longer prompt), stream_generate over the rest of
-    the prompt with that cache, then the cache inserted back under prompt + answer. Returns
-    (records, what the prompt cache held at the end)."""
+    """The trace through mlx-lm one request at a time, as mlx_lm.server serves: the nearest cached
+    prefix (LRUPromptCache), stream_generate over the rest, the cache put back under prompt +
+    answer. (records, what the cache held)"""
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import LRUPromptCache, make_prompt_cache
 
@@ -218,8 +143,7 @@ def serve_mlx_lm(model, trace: AgentTrace):
         if not rest:
             raise RuntimeError("a prompt of the trace was cached whole: nothing to prefill")
         record["cached_tokens"], record["prefill_tokens"] = len(prompt) - len(rest), len(rest)
-        if cache is None:
-            cache = make_prompt_cache(model)
+        cache = make_prompt_cache(model) if cache is None else cache
         for response in stream_generate(
             model, tokenizer, rest, max_tokens=trace.max_tokens, prompt_cache=cache
         ):
@@ -237,3 +161,30 @@ def serve_mlx_lm(model, trace: AgentTrace):
                      "cached_tokens": sum(r["cached_tokens"] for r in records),
                      "prompt_cache_entries_end": len(store),
                      "prompt_cache_bytes_end": store.nbytes}  # fmt: skip
+
+
+def run_metrics(records: list[dict[str, Any]], counts: dict[str, Any]) -> dict[str, Any]:
+    """The run's numbers (ms unless named _s; "later": turns 2 and after), and per-turn lists."""
+    ms = lambda seconds, q: None if not seconds else 1000 * harness.percentile(seconds, q)
+    ttft = lambda rs, q: ms([r["first_token_s"] - r["arrival_s"] for r in rs], q)
+    last = max(r["turn"] for r in records)
+    turns = [[r for r in records if r["turn"] == t] for t in range(1, last + 1)]
+    first, later = turns[0], [r for rs in turns[1:] for r in rs]
+    wall, prompt = max(r["finish_s"] for r in records), sum(r["prompt_tokens"] for r in records)
+    generated = sum(len(r["token_ids"]) for r in records)
+    return {
+        "requests": len(records), "wall_s": wall, "generated_tokens": generated,
+        "generated_tokens_per_s": generated / wall, "prompt_tokens": prompt,
+        "prefill_tokens": counts["prefill_tokens"], "cached_tokens": counts["cached_tokens"],
+        "prefill_fraction": counts["prefill_tokens"] / prompt,
+        "ttft_turn1_ms_p50": ttft(first, 50), "ttft_turn1_ms_p95": ttft(first, 95),
+        "ttft_later_ms_p50": ttft(later, 50), "ttft_later_ms_p95": ttft(later, 95),
+        "wait_later_ms_p50": ms([r["start_s"] - r["arrival_s"] for r in later], 50),
+        "peak_pages": counts.get("peak_pages"),
+        "by_turn": {
+            "ttft_ms_p50": [ttft(rs, 50) for rs in turns],
+            "ttft_ms_p95": [ttft(rs, 95) for rs in turns],
+            "prompt_tokens": [sum(r["prompt_tokens"] for r in rs) for rs in turns],
+            "prefill_tokens": [sum(r["prefill_tokens"] for r in rs) for rs in turns],
+        },
+    }  # fmt: skip

@@ -11,15 +11,10 @@ agreement  the tiny checkpoint in float32, at each --bits and with an INT8 cache
            tokens (teacher forcing).
 
     pdm run bench-quantization
-    pdm run bench-quantization --num-layers 2 --prefill-tokens 16 --decode-steps 2 \\
-        --contexts 256 --repeats 1 --agreement-tokens 8          # a smoke run, seconds
-
-Writes benches/results/quantization-<model>-<N>layers-<os>-<arch>.json and prints a table.
 """
 
 from __future__ import annotations
 
-import argparse
 import gc
 import platform
 import statistics
@@ -43,12 +38,8 @@ from tiny_llm_support import (
 from tiny_llm_support.cli import int_at_least
 
 GROUP_SIZE = 64
-AGREEMENT_PROMPTS = (
-    "The quick brown fox",
-    "Once upon a time there was a little cat",
-    "def add(a, b):",
-    "The attention layer compares every query",
-)
+AGREEMENT_PROMPTS = ("The quick brown fox", "Once upon a time there was a little cat",
+                     "def add(a, b):", "The attention layer compares every query")  # fmt: skip
 
 
 def model_bytes(model: Any) -> int:
@@ -74,14 +65,13 @@ def release(cache: list) -> None:
 
 
 def decode_ms(model: Any, cache: list, start: int, steps: int) -> list[float]:
-    """ms of each of `steps` decode steps (batch 1, a fixed token) from position `start`, after
-    one untimed step (the first step after a prefill is a warm-up)."""
+    """ms of each decode step (batch 1, a fixed token) from `start`, after one untimed step."""
     token = mx.array([[7]])  # [1, 1]
     times = [timed(lambda p=p: model(token, p, cache)) for p in range(start, start + steps + 1)]
     return [1000 * t for t in times[1:]]
 
 
-def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
+def speed(model: Any, args) -> dict[str, Any]:
     """Decode ms/token after an 8-token prompt (also the warm-up), and prefill tokens/s of one
     prompt of --prefill-tokens (medians)."""
     prompt = mx.arange(args.prefill_tokens)[None] % 1000 + 100  # [1, T], ordinary Qwen3 ids
@@ -94,15 +84,12 @@ def speed(model: Any, args: argparse.Namespace) -> dict[str, Any]:
         cache = model.create_kv_cache()
         prefill.append(timed(lambda c=cache: model(prompt, 0, c, logits_to_keep=1)))
         release(cache)
-    return {
-        "prefill_tokens_per_s": args.prefill_tokens / harness.median(prefill),
-        "prefill_s_runs": prefill,
-        "decode_ms_per_token": harness.median(decode),
-        "decode_ms_runs": decode,
-    }
+    return {"prefill_tokens_per_s": args.prefill_tokens / harness.median(prefill),
+            "prefill_s_runs": prefill, "decode_ms_per_token": harness.median(decode),
+            "decode_ms_runs": decode}  # fmt: skip
 
 
-def weights_part(ckpt, args: argparse.Namespace) -> list[dict[str, Any]]:
+def weights_part(ckpt, args) -> list[dict[str, Any]]:
     variants = [("float32", None, None)]
     variants += [(f"{bits}bit", bits, path) for bits in args.bits for path in args.paths]
     rows = []
@@ -119,7 +106,7 @@ def weights_part(ckpt, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def kv_part(ckpt, args: argparse.Namespace) -> list[dict[str, Any]]:
+def kv_part(ckpt, args) -> list[dict[str, Any]]:
     c, rows = ckpt.config, []
     for kv_bits in (None, 8):
         model = ref.Qwen3Model(ckpt, kv_bits=kv_bits, kv_group_size=GROUP_SIZE)
@@ -131,7 +118,8 @@ def kv_part(ckpt, args: argparse.Namespace) -> list[dict[str, Any]]:
                 values = mx.random.normal(shape, key=mx.random.key(2 * i + 1))
                 layer_cache.update_and_fetch(keys, values)
                 layer_cache.materialize()
-            held = sum(cache_bytes(layer_cache) for layer_cache in cache)
+            # the INT8 cache counts its own bytes (the contexts fill its 256-token blocks)
+            held = sum(x.nbytes if kv_bits else x.keys.nbytes + x.values.nbytes for x in cache)
             decode = decode_ms(model, cache, context, args.decode_steps)
             release(cache)
             name, ms = "int8" if kv_bits else "float32", harness.median(decode)
@@ -146,15 +134,15 @@ def kv_part(ckpt, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def cache_bytes(layer_cache: Any) -> int:
-    """Bytes a layer's cache holds: the INT8 cache counts its own; the float one is two
-    arrays. The contexts are whole multiples of the caches' 256-token blocks."""
-    if isinstance(layer_cache, ref.TinyKvQuantizedCache):
-        return layer_cache.nbytes
-    return layer_cache.keys.nbytes + layer_cache.values.nbytes
+def forced_argmax(model: Any, tokens: mx.array, n: int) -> list[int]:
+    """The argmax at the last n positions of one forward pass over tokens [1, T]."""
+    cache = model.create_kv_cache()
+    logits = model(tokens, 0, cache, logits_to_keep=n)  # [1, n, V]
+    release(cache)
+    return mx.argmax(logits[0], axis=-1).tolist()
 
 
-def agreement_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
+def agreement_part(args, workdir: Path) -> dict[str, Any]:
     """Per variant: every prompt's matching prefix and forced agreement, and their means."""
     ckpt = load_checkpoint(make_tiny_checkpoint(workdir / "float", seed=0))
     tokenizer, float32 = ckpt.tokenizer, ref.Qwen3Model(ckpt)
@@ -176,23 +164,10 @@ def agreement_part(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             same = sum(a == b for a, b in zip(forced_argmax(model, forced, n), want))
             prefix = harness.first_difference(own, reference, n)
             prompts[name].append({"prompt": text, "matching_prefix": prefix, "forced_agree": same})
-    return {
-        name: {
-            "tokens": n,
-            "prompts": rows,
-            "mean_matching_prefix": statistics.fmean(r["matching_prefix"] for r in rows),
-            "forced_agreement": sum(r["forced_agree"] for r in rows) / (n * len(rows)),
-        }
-        for name, rows in prompts.items()
-    }
-
-
-def forced_argmax(model: Any, tokens: mx.array, n: int) -> list[int]:
-    """The argmax at the last n positions of one forward pass over tokens [1, T]."""
-    cache = model.create_kv_cache()
-    logits = model(tokens, 0, cache, logits_to_keep=n)  # [1, n, V]
-    release(cache)
-    return mx.argmax(logits[0], axis=-1).tolist()
+    return {name: {"tokens": n, "prompts": rows,
+                   "mean_matching_prefix": statistics.fmean(r["matching_prefix"] for r in rows),
+                   "forced_agreement": sum(r["forced_agree"] for r in rows) / (n * len(rows))}
+            for name, rows in prompts.items()}  # fmt: skip
 
 
 def summary_table(report: dict[str, Any]) -> str:
@@ -205,17 +180,13 @@ def summary_table(report: dict[str, Any]) -> str:
     agree = [(name, f"{s['mean_matching_prefix']:.1f} of {s['tokens']}",
               f"{s['forced_agreement']:.1%}")
              for name, s in report["summary"].get("agreement", {}).items()]  # fmt: skip
-    tables = [
-        harness.table(("weights", "path", "MiB", "prefill tokens/s", "decode ms"), weights),
-        harness.table(("KV cache", "context", "bytes/token", "decode ms"), kv),
-        harness.table(("variant", "matching prefix", "forced agreement"), agree),
-    ]
-    return "\n".join(t for t, rows in zip(tables, (weights, kv, agree)) if rows)
+    tables = [(("weights", "path", "MiB", "prefill tokens/s", "decode ms"), weights),
+              (("KV cache", "context", "bytes/token", "decode ms"), kv),
+              (("variant", "matching prefix", "forced agreement"), agree)]  # fmt: skip
+    return "\n".join(harness.table(head, rows) for head, rows in tables if rows)
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, harness.BenchModel]:
-    """The arguments and the model they name (its config: the weights are random), every check
-    done before the first run."""
+def main(argv: Sequence[str] | None = None) -> int:
     p = harness.bench_parser("bench-quantization", __doc__.split("\n")[0])
     p.add_argument("--model", default="qwen3-0.6b", help="a shortcut with an embedded config, or "
                    "a checkpoint directory (its config, with random weights)")  # fmt: skip
@@ -247,19 +218,12 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, harness.
     host = f"{platform.system().lower()}-{platform.machine()}"
     name = f"quantization-{harness.model_slug(model)}-{model.num_layers}layers-{host}.json"
     harness.set_output_paths(p, args, harness.RESULTS / name)
-    return args, model
 
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args, model = parse_args(argv)
     started = time.time()
-    settings = {
-        **harness.arguments_json(args, ["json_output"]),
-        "device": choose_device(args.device),
-        "model": model.describe(),
-        "group_size": GROUP_SIZE,
-        "default_quantized_linear": ref.default_quantized_linear(),
-    }
+    settings = {**harness.arguments_json(args, ["json_output"]),
+                "device": choose_device(args.device), "model": model.describe(),
+                "group_size": GROUP_SIZE,
+                "default_quantized_linear": ref.default_quantized_linear()}  # fmt: skip
     runs, summary = [], {}
     if "weights" in args.parts or "kv" in args.parts:
         ckpt = model.load("float32")

@@ -1,20 +1,13 @@
-"""3.4/4.3: one decode step of B requests, by how the pass reads the KV cache, and where its
-time goes. Each (mode, batch) runs in a fresh process, the modes in turn:
-
-- dense: the alternate policy's batched decode over 3.1's dense caches;
-- per-segment: the hybrid pass over pages, each segment writing then attending (3.4's first
-  order, which makes MLX copy a layer's pool for every write after a read);
-- one-write: the hybrid pass as it is (one scatter per layer, then paged_attention);
-- mlx-lm: its Qwen3 over BatchKVCache on the same weights.
-
-Each prefills B prompts of --context tokens, then times --steps decode steps, split into graph
-(the forward call), compute (the wait for the tokens: of it, "linear", the step's linear layers
-timed alone, and "kv", the rest) and host (the rest of the step); and the peak memory.
+"""3.4/4.3: one decode step of B requests, by how the pass reads the KV cache, and where its time
+goes; each (mode, batch) in a fresh process, the modes in turn. dense: the alternate policy over
+3.1's dense caches; per-segment: the hybrid pass over pages, each segment writing then attending
+(3.4's first order: MLX copies a layer's pool for every write after a read); one-write: the
+hybrid pass as it is (one scatter per layer, then paged_attention); mlx-lm: its Qwen3 over
+BatchKVCache. Each prefills B prompts of --context tokens, then times --steps decode steps, split
+into graph (the forward call), compute (the wait for the tokens: "linear", the step's linear
+layers timed alone, and "kv", the rest) and host (the rest of the step); and the peak memory.
 
     pdm run bench-ragged-step [--model qwen3-0.6b] [--num-layers 8] [--batches 1 4 8]
-                              [--context 300] [--steps 12] [--repeats 1]
-
-Writes benches/results/ragged-step-<model>-<host>.json (or --json-output).
 """
 
 from __future__ import annotations
@@ -25,9 +18,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
+
 from benches import harness
 from benches.ceilings import timed
 from benches.serving_load import write_model
+from tiny_llm_support import load_checkpoint, mlx_lm_qwen3
 from tiny_llm_support.cli import int_at_least
 
 MODES = ("dense", "per-segment", "one-write", "mlx-lm")
@@ -36,11 +32,10 @@ TARGET_RATIO = 1.15  # issue 41: one-write at batch 8 within 1.15x of dense
 
 
 class Timers:
-    """Wall time spent inside wrapped functions, by part, over the timed steps."""
+    """Wall time spent inside wrapped functions, by part, while `on`."""
 
     def __init__(self) -> None:
-        self.seconds = {part: 0.0 for part in PARTS}
-        self.on = False
+        self.seconds, self.on = dict.fromkeys(PARTS, 0.0), False
 
     def wrap(self, part: str, function):
         def timed(*args, **kwargs):
@@ -55,19 +50,14 @@ class Timers:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """In a fresh process: the decode step times of one mode at one batch size, and their
-    split into parts (each part's mean per step, in ms)."""
-    import mlx.core as mx
-
-    from tiny_llm_support import load_checkpoint
-
+    """In a fresh process: one mode's decode steps at one batch size, and their parts (each
+    part's mean per step, in ms)."""
     ckpt = load_checkpoint(spec["directory"], dtype="float32")
-    timers, steps = Timers(), spec["steps"]
+    timers, steps, batch = Timers(), spec["steps"], spec["batch"]
     stepper = mlx_lm_stepper if spec["mode"] == "mlx-lm" else engine_stepper
-    step = stepper(ckpt, spec["mode"], spec["batch"], spec["context"], steps, timers)
+    step = stepper(ckpt, spec["mode"], batch, spec["context"], steps, timers)
     step()  # one decode step before timing
-    times = []
-    timers.on = True
+    times, timers.on = [], True
     for _ in range(steps):
         start = time.perf_counter()
         step()
@@ -75,11 +65,10 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     timers.on = False
     parts = {part: 1000 * s / steps for part, s in timers.seconds.items()}
     parts["host"] = 1000 * sum(times) / steps - parts["graph"] - parts["compute"]
-    parts["linear"] = linear_ms(ckpt, spec["batch"])
+    parts["linear"] = linear_ms(ckpt, batch)
     parts["kv"] = parts["compute"] - parts["linear"]  # the KV write and attention, and the rest
-    return {"mode": spec["mode"], "batch": spec["batch"],
-            "step_ms": harness.summarize(times, 1000), "mean_parts_ms": parts,
-            "peak_bytes": mx.get_peak_memory()}  # fmt: skip
+    return {"mode": spec["mode"], "batch": batch, "step_ms": harness.summarize(times, 1000),
+            "mean_parts_ms": parts, "peak_bytes": mx.get_peak_memory()}  # fmt: skip
 
 
 def engine_prompt(i: int, length: int) -> list[int]:
@@ -88,9 +77,8 @@ def engine_prompt(i: int, length: int) -> list[int]:
 
 
 def engine_stepper(ckpt, mode: str, batch: int, context: int, steps: int, timers: Timers):
-    """The reference Engine with B requests prefilled: a function that runs one engine step.
-    The model's forward calls count as "graph", the samplers' reads of the tokens as
-    "compute"."""
+    """One engine step of the reference Engine with B requests prefilled; the model's forward
+    calls count as "graph", the samplers' reads of the tokens as "compute"."""
     import tiny_llm_ref as ref
     from tiny_llm_ref import scheduler, stall_free
 
@@ -117,12 +105,9 @@ def engine_stepper(ckpt, mode: str, batch: int, context: int, steps: int, timers
 
 
 def mlx_lm_stepper(ckpt, mode: str, batch: int, context: int, steps: int, timers: Timers):
-    """mlx-lm's Qwen3 over BatchKVCache with the same B prompts prefilled together: a function
-    that runs one greedy decode step (forward call: "graph"; reading the tokens: "compute")."""
-    import mlx.core as mx
+    """One greedy decode step of mlx-lm's Qwen3 over BatchKVCache, the B prompts prefilled
+    together (forward call: "graph"; reading the tokens: "compute")."""
     from mlx_lm.models.cache import BatchKVCache
-
-    from tiny_llm_support import mlx_lm_qwen3
 
     model = mlx_lm_qwen3(ckpt)
     cache = [BatchKVCache([0] * batch) for _ in model.layers]
@@ -138,10 +123,8 @@ def mlx_lm_stepper(ckpt, mode: str, batch: int, context: int, steps: int, timers
 
 
 def linear_ms(ckpt, batch: int, repeats: int = 5) -> float:
-    """The median time of every linear layer of one decode step on `batch` rows: each layer's
-    projections and MLP, and the LM head, on random rows, evaluated together."""
-    import mlx.core as mx
-
+    """The median time of every linear layer of one decode step on `batch` random rows: each
+    layer's projections and MLP, and the LM head, evaluated together."""
     names = [n for n, w in ckpt.weights.items() if n.endswith("proj.weight") and w.ndim == 2]
     head = "lm_head.weight" if "lm_head.weight" in ckpt.weights else "model.embed_tokens.weight"
     weights = [ckpt.weights[n] for n in [*names, head]]
@@ -173,7 +156,8 @@ def main(argv=None) -> int:
         specs = [{"repeat": r, "batch": b, "mode": m, **run}
                  for r in range(args.repeats) for b in args.batches for m in MODES]  # fmt: skip
         label = lambda spec: f"{spec['mode']} at batch {spec['batch']}"
-        runs = harness.run_plan(__name__, specs, Path(tmp), dict(os.environ), label, run_line)
+        line = lambda run: f"{label(run)}: {run['step_ms']['median']:.1f} ms a step"
+        runs = harness.run_plan(__name__, specs, Path(tmp), dict(os.environ), label, line)
     model.pop("config", None)
     settings = {"model": model, "context": args.context, "steps": args.steps,
                 "repeats": args.repeats, "batches": args.batches}  # fmt: skip
@@ -200,10 +184,6 @@ def summarize(runs: list[dict], batches: list[int]) -> dict[str, Any]:
         ratios = {m: medians[m] / medians["dense"] for m in MODES}
         out[str(batch)] = {"median_step_ms": medians, "over_dense": ratios, "parts_ms": parts}
     return out
-
-
-def run_line(run: dict[str, Any]) -> str:
-    return f"{run['mode']} at batch {run['batch']}: {run['step_ms']['median']:.1f} ms a step"
 
 
 def summary_table(report: dict[str, Any]) -> str:

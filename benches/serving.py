@@ -1,19 +1,14 @@
 """4.3: the served engine against mlx_lm.server, under open-loop load.
 
-Committed traces (benches/traces/: chat, independent prompts; agent, 4.4's conversations, each
-turn sent with the answers so far) are replayed against OpenAI-compatible servers: each request
-an `openai` streaming client sent at its arrival time, a seeded Poisson process at each of
---rates (open loop: a slow server builds a queue). At each rate, in turn, a fresh process on a
-free loopback port loading one float32 checkpoint: tiny-llm (serve.py, its defaults), mlx-lm
-(mlx_lm.server, its defaults), mlx-lm-batch (its concurrency set to our --batch-size); or --url,
-a server already running. Per run: output tokens/s, p50/p95/p99 of TTFT, inter-token gap and
-end-to-end time, the server's RSS, greedy text against tiny-llm's. Then --soak N requests
-against tiny-llm, one client in four hanging up mid-stream.
+The committed chat and agent traces (benches/traces/) are replayed open loop (a slow server
+builds a queue) by streaming `openai` clients, each request at its arrival in a seeded Poisson
+process of each of --rates, against a fresh server per rate on one float32 checkpoint: tiny-llm
+(serve.py), mlx-lm (mlx_lm.server) and mlx-lm-batch (its concurrency set to our --batch-size),
+or --url. Per run: output tokens/s, p50/p95/p99 of TTFT, inter-token gap and end-to-end time,
+the server's RSS, greedy text against tiny-llm's. Then a --soak against tiny-llm, one client in
+four hanging up mid-stream.
 
-    pdm run bench-serving                                  # the full run (8-layer 0.6B shape)
     pdm run bench-serving --model tiny --requests 4 --rates 0.5 --soak 8    # a quick look
-
-Writes benches/results/serving-<model>-<host>.json and its plot (or --json-output).
 """
 
 from __future__ import annotations
@@ -27,32 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from benches import harness
-from benches.serving_load import (
-    DEFAULT_LAYERS,
-    ENGINE_FLAGS,
-    SERVERS,
-    TRACES,
-    Job,
-    Trace,
-    arrival_times,
-    is_shape,
-    read_trace,
-    replay,
-    run_load,
-    start_server,
-    warm_up,
-    write_model,
-)
+from benches import serving_load as load
+from benches.serving_load import TRACES, read_trace
 from tiny_llm_support.cli import int_at_least
 
-LATENCIES = {"TTFT": "ttft", "gap": "inter_token_gap", "e2e": "e2e"}  # their names in run_line
 IDLE_TIMEOUT_S = 60  # after a soak: how long the server may take to abort what was hung up
 
 
 def compare_texts(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Mark each completed request whose text equals tiny-llm's in the same (trace, rate) run,
-    or does once tiny-llm's leading space is dropped (mlx-lm's streaming detokenizer trims the
-    first token's: the same tokens); the counts per server."""
+    """Mark each completed request whose text equals tiny-llm's in the same (trace, rate) run, or
+    does but for the leading space mlx-lm's streaming detokenizer trims; the counts per server."""
     base = {(r["trace"], r["rate"]): r for r in runs if r["server"] == "tiny-llm"}
     counts = {}
     for run in runs:
@@ -75,57 +54,37 @@ def compare_texts(runs: list[dict[str, Any]]) -> dict[str, Any]:
     return counts
 
 
-# --- the soak ------------------------------------------------------------------------------
-
-
 def run_soak(args, ckpt: Path, env: dict, tmp: Path) -> dict[str, Any]:
-    """--soak N requests (the whole chat trace, cycled) at the highest rate against a fresh
-    tiny-llm, one client in four hanging up after a random number of chunks, the server's RSS
-    sampled every 0.5 s; its /metrics before, and after once every request has ended."""
-    trace = read_trace("chat", TRACES["chat"], None)
+    """--soak N requests (the chat trace, cycled) at the highest rate against tiny-llm, one client
+    in four hanging up mid-stream: once the server is idle, was each request ended exactly once
+    (a hang-up after the last token counts as finished), is every page back, and how much did
+    the RSS grow after warm-up (a tenth of the requests done) and over the second half."""
+    trace, rate = read_trace("chat", TRACES["chat"], None), max(args.rates)
     cycled = [trace.jobs[i % len(trace.jobs)] for i in range(args.soak)]
-    jobs = [Job(i, i, 0, job.user, job.max_tokens) for i, job in enumerate(cycled)]
+    jobs = [load.Job(i, i, 0, job.user, job.max_tokens) for i, job in enumerate(cycled)]
     rng = random.Random(args.seed + 1)
     hangups = {i: rng.randint(1, max(1, jobs[i].max_tokens - 1)) for i in range(3, args.soak, 4)}
-    times = arrival_times(args.soak, max(args.rates), args.seed + 2)
-    harness.log(f"soak: {args.soak} requests at {max(args.rates):g} req/s, {len(hangups)} hang up")
-    with start_server("tiny-llm", ckpt, args, env, tmp) as server:
-        warm_up(server, trace)
+    times = load.arrival_times(args.soak, rate, args.seed + 2)
+    harness.log(f"soak: {args.soak} requests at {rate:g} req/s, {len(hangups)} hang up")
+    count = lambda metrics, key: metrics.get(f"tiny_llm_requests_{key}", 0)
+    with load.start_server("tiny-llm", ckpt, args, env, tmp) as server:
+        load.warm_up(server, trace)
         before, t0 = server.metrics(), time.perf_counter()
-        load = replay(server, trace, jobs, times, hangups)
-        records, samples = asyncio.run(harness.sampling_rss(server.pid, load, every_s=0.5))
-        after = metrics_once_idle(server, before, len(jobs))
+        work = load.replay(server, trace, jobs, times, hangups)
+        records, samples = asyncio.run(harness.sampling_rss(server.pid, work, every_s=0.5))
+        deadline = time.monotonic() + IDLE_TIMEOUT_S
+        while True:  # until every request has ended (or IDLE_TIMEOUT_S)
+            after = server.metrics()
+            finished = count(after, "finished_total") - count(before, "finished_total")
+            aborted = count(after, "aborted_total") - count(before, "aborted_total")
+            busy = count(after, "running") + count(after, "waiting")
+            if (busy == 0 and finished + aborted >= len(jobs)) or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
         rss_end = harness.rss_bytes(server.pid)
-    return soak_report(args, trace, records, hangups, before, after, samples, t0, rss_end)
-
-
-def metrics_once_idle(server, before: dict, requests: int) -> dict[str, float]:
-    """The server's /metrics once it has ended `requests` requests since `before` and runs
-    none and queues none (or IDLE_TIMEOUT_S on, whatever it says then)."""
-    deadline = time.monotonic() + IDLE_TIMEOUT_S
-    while True:
-        after = server.metrics()
-        ended = delta(after, before, "finished_total") + delta(after, before, "aborted_total")
-        busy = sum(after.get(f"tiny_llm_requests_{k}", 0) for k in ("running", "waiting"))
-        if (busy == 0 and ended >= requests) or time.monotonic() > deadline:
-            return after
-        time.sleep(0.2)
-
-
-def delta(after: dict, before: dict, key: str) -> float:
-    """tiny_llm_requests_{key} of /metrics: its change from `before` to `after`."""
-    return after.get(f"tiny_llm_requests_{key}", 0) - before.get(f"tiny_llm_requests_{key}", 0)
-
-
-def soak_report(args, trace, records, hangups, before, after, samples, t0, rss_end) -> dict:
-    """Every request completed or cancelled by us, and the server ended each exactly once (a
-    hang-up after the last token counts there as finished); every page back; the RSS growth
-    from warm-up (a tenth of the requests done) to the end, and over the second half alone."""
     completed = sum(r.status == "completed" for r in records)
     cancelled = sum(r.status == "cancelled" for r in records)
     failed = [r.summary() for r in records if r.status not in ("completed", "cancelled")]
-    finished = delta(after, before, "finished_total")
-    aborted = delta(after, before, "aborted_total")
     ends = sorted(r.finish_s for r in records if r.finish_s is not None)
     warm_at = t0 + ends[max(0, len(ends) // 10 - 1)] if ends else t0
     middle = (samples[0][0] + samples[-1][0]) / 2 if samples else t0
@@ -133,7 +92,7 @@ def soak_report(args, trace, records, hangups, before, after, samples, t0, rss_e
     rss_warm, rss_middle = rss_at(warm_at), rss_at(middle)
     growth = lambda start: (rss_end - start) / start if start and rss_end else None
     return {
-        "distinct_prompts": len(trace.jobs), "requests": len(records), "rate": max(args.rates),
+        "distinct_prompts": len(trace.jobs), "requests": len(records), "rate": rate,
         "hangups_planned": len(hangups), "completed": completed, "cancelled_by_client": cancelled,
         "failed": failed[:10], "server_finished": finished, "server_aborted": aborted,
         "no_request_lost_or_duplicated": not failed
@@ -154,28 +113,23 @@ def soak_report(args, trace, records, hangups, before, after, samples, t0, rss_e
     }  # fmt: skip
 
 
-# --- the report ----------------------------------------------------------------------------
-
-
 def targets(runs: list[dict[str, Any]], servers: list[str]) -> dict[str, Any]:
-    """The issue's targets (recorded, never asserted), per trace and mlx-lm variant at the
-    highest rate both sustain: ours / theirs of the output tokens/s at least 1, of the p95
-    inter-token gap at most 0.5, and of the p95 TTFT on the agent trace at most 0.5."""
+    """The issue's targets (recorded, never asserted), per trace and mlx-lm variant at the highest
+    rate both sustain: ours / theirs of tokens/s >= 1, of p95 gap and agent p95 TTFT <= 0.5."""
     out = {}
     for theirs in (s for s in servers if s != "tiny-llm"):
         for trace in sorted({r["trace"] for r in runs}):
             by = {(r["rate"], r["server"]): r["metrics"] for r in runs if r["trace"] == trace}
-            sustained = {key for key, metrics in by.items() if metrics["sustained"]}
-            both = [
-                rate for rate, s in sustained if s == theirs and (rate, "tiny-llm") in sustained
-            ]
+            ok = {key for key, metrics in by.items() if metrics["sustained"]}
+            both = [rate for rate, s in ok if s == theirs and (rate, "tiny-llm") in ok]
             if not both:
                 out[f"{trace} vs {theirs}"] = {"checked": False, "why": "no rate both sustain"}
                 continue
-            ours, other = by[(max(both), "tiny-llm")], by[(max(both), theirs)]
+            rate = max(both)
+            ours, other = by[(rate, "tiny-llm")], by[(rate, theirs)]
             ttft_bound = 0.5 if trace == "agent" else None
             out[f"{trace} vs {theirs}"] = {
-                "checked": True, "rate": max(both),
+                "checked": True, "rate": rate,
                 "output_tokens_per_s": ratio(ours, other, ("output_tokens_per_s",), at_least=1.0),
                 "inter_token_gap_p95": ratio(ours, other, ("inter_token_gap", "p95_ms"), at_most=0.5),
                 "ttft_p95": ratio(ours, other, ("ttft", "p95_ms"), at_most=ttft_bound),
@@ -201,8 +155,7 @@ def dig(d: dict, keys) -> Any:
 
 
 def plot(report: dict[str, Any], path: Path) -> Path | None:
-    """p95 TTFT, p95 inter-token gap (log scales) and output tokens/s against the offered
-    rate: a line per server and trace (chat solid, agent dashed)."""
+    """p95 TTFT, p95 inter-token gap and tokens/s against the rate, per server and trace."""
     plt = harness.pyplot()
     if plt is None:
         return None
@@ -258,18 +211,15 @@ def summary_table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --- the command line -----------------------------------------------------------------------
-
-
 def main(argv=None) -> int:
     p = harness.bench_parser("bench-serving", "Open-loop load test of OpenAI-compatible "
                              "servers: serve and mlx_lm.server on one checkpoint, or any --url.")  # fmt: skip
     p.add_argument("--model", default="qwen3-0.6b", help="tiny (the trained tiny chat model), "
                    "a shortcut (random weights of its shape, the tiny tokenizer) or a checkpoint")  # fmt: skip
     p.add_argument("--num-layers", type=int_at_least(1), default=None,
-                   help=f"layers of a shortcut's shape ({DEFAULT_LAYERS} if not given)")  # fmt: skip
+                   help=f"layers of a shortcut's shape ({load.DEFAULT_LAYERS} if not given)")  # fmt: skip
     p.add_argument("--solution", choices=("ref", "tiny_llm"), default="ref")
-    p.add_argument("--servers", nargs="+", choices=SERVERS, default=list(SERVERS))
+    p.add_argument("--servers", nargs="+", choices=load.SERVERS, default=list(load.SERVERS))
     p.add_argument("--url", help="instead of starting servers: the base URL of one running "
                    "(e.g. http://127.0.0.1:8000/v1); no RSS, no soak")  # fmt: skip
     p.add_argument("--model-id", help="with --url: the model name to send")
@@ -283,7 +233,7 @@ def main(argv=None) -> int:
                    help="requests of the soak at the highest rate (0: none)")  # fmt: skip
     e = p.add_argument_group("tiny-llm's server")
     e.add_argument("--batch-size", type=int_at_least(1), default=8, help="decode slots")
-    for flag in ENGINE_FLAGS:
+    for flag in load.ENGINE_FLAGS:
         e.add_argument("--" + flag.replace("_", "-"), type=int_at_least(1), help="default: serve's")
     o = p.add_argument_group("output")
     harness.add_output_arguments(o, "serving-<model>-<os>-<arch>-<N>cpu.json", plot=True)
@@ -296,20 +246,12 @@ def main(argv=None) -> int:
     if args.url and not args.model_id:
         p.error("--url needs --model-id, the model name that server expects")
     name = Path(args.model).name if Path(args.model).exists() else args.model.lower()
-    name += f"-{args.num_layers or DEFAULT_LAYERS}layers" if is_shape(args.model) else ""
+    name += f"-{args.num_layers or load.DEFAULT_LAYERS}layers" if load.is_shape(args.model) else ""
     default = f"serving-{harness.slug(name) or 'model'}-{harness.host_slug()}.json"
     harness.set_output_paths(p, args, harness.RESULTS / default)
-    if not args.url and not is_shape(args.model):
+    if not args.url and not load.is_shape(args.model):
         harness.check_checkpoint_arg(p, args.model)  # a shape's random weights are our own
-    traces = [
-        read_trace(name, TRACES[name], args.requests, args.max_tokens) for name in args.traces
-    ]
-    harness.write_report(args, run_benchmark(args, traces), summary_table, plot)
-    return 0
-
-
-def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
-    """At each rate, each server in turn (a fresh process), every trace; then the soak."""
+    traces = [read_trace(t, TRACES[t], args.requests, args.max_tokens) for t in args.traces]
     started = time.time()
     env, preloaded = harness.runs_environment(args.no_openblas)
     core = harness.probe_openblas_core(env, preloaded)
@@ -317,17 +259,17 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
     servers, runs = ["url"] if args.url else args.servers, []
     with tempfile.TemporaryDirectory(prefix="bench-serving-") as tmp:
         tmp = Path(tmp)
-        model = {"name": args.url} if args.url else write_model(args, tmp / "model")
+        model = {"name": args.url} if args.url else load.write_model(args, tmp / "model")
         ckpt = Path(model.get("path", tmp / "model"))
         with harness.Progress(len(args.rates) * len(servers) * len(traces)) as progress:
-            for rate in args.rates:
+            for rate in args.rates:  # each server in turn, a fresh process at each rate
                 for name in servers:
-                    with start_server(name, ckpt, args, env, tmp) as server:
+                    with load.start_server(name, ckpt, args, env, tmp) as server:
                         if server.pid is not None:
-                            warm_up(server, traces[0])
+                            load.warm_up(server, traces[0])
                         for trace in traces:
                             progress.start(f"{name} {trace.name} {rate:g} req/s")
-                            runs.append(run_load(name, server, trace, rate, args.seed))
+                            runs.append(load.run_load(name, server, trace, rate, args.seed))
                             progress.done(run_line(runs[-1]))
         soak = run_soak(args, ckpt, env, tmp) if args.soak and not args.url else None
     summary = {"text_match": compare_texts(runs), "soak": soak}
@@ -338,12 +280,14 @@ def run_benchmark(args, traces: list[Trace]) -> dict[str, Any]:
         "versions": {p: harness.package_version(p) for p in ("mlx", "mlx-lm", "openai", "fastapi")},
     }
     blas = {"parent": harness.blas_info(), "preloaded_in_servers": preloaded, "openblas_core": core}
-    return harness.report("serving", started, settings, runs, summary, targets(runs, servers), blas)
+    goals = targets(runs, servers)
+    report = harness.report("serving", started, settings, runs, summary, goals, blas)
+    harness.write_report(args, report, summary_table, plot)
+    return 0
 
 
 def run_line(run: dict[str, Any]) -> str:
-    """A run's line of progress: its requests completed, tokens/s and p95 latencies."""
-    m = run["metrics"]
+    m, names = run["metrics"], {"TTFT": "ttft", "gap": "inter_token_gap", "e2e": "e2e"}
     done = f"{m['completed']}/{m['requests']} completed, {m['output_tokens_per_s']:.2f} tok/s"
-    p95s = (f"{what} p95 {harness.number(m[k]['p95_ms'])} ms" for what, k in LATENCIES.items())
+    p95s = (f"{what} p95 {harness.number(m[k]['p95_ms'])} ms" for what, k in names.items())
     return ", ".join([f"{run['server']} {run['trace']} {run['rate']:g} req/s: {done}", *p95s])

@@ -1,13 +1,13 @@
-"""bench-serving's load: the committed traces, streaming clients that replay them at their
-arrival times, the servers they run against (tiny-llm, mlx-lm, or one at --url) and the float32
-checkpoint the servers load (which bench-ragged-step shares).
-"""
+"""bench-serving's load: the committed traces, streaming clients that replay them at their arrival
+times, the servers they run against (tiny-llm, mlx-lm, or one at --url) and the float32 checkpoint
+the servers load (which bench-ragged-step shares)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import random
 import re
@@ -21,38 +21,16 @@ from typing import Any
 
 from benches import harness
 
-TRACES = {
-    "chat": Path(__file__).resolve().parent / "traces" / "chat-requests.json",
-    "agent": Path(__file__).resolve().parent / "traces" / "prefix-agent.json",
-}
+TRACE_DIR = Path(__file__).resolve().parent / "traces"
+TRACES = {"chat": TRACE_DIR / "chat-requests.json", "agent": TRACE_DIR / "prefix-agent.json"}
 DEFAULT_LAYERS = 8  # a shortcut's shape: "the 8-layer Qwen3-0.6B shape"
 SERVERS = ("tiny-llm", "mlx-lm", "mlx-lm-batch")
 ENGINE_FLAGS = ("prefill_step", "max_seq_len", "page_size", "max_pages")  # serve's, as in args
 
 
-# --- traces --------------------------------------------------------------------------------
-
-
-def trace_words() -> list[str]:
-    """The tiny corpus's words that are one token each with their leading space, sorted."""
-    import tokenizers
-
-    from tiny_llm_support.tiny_tokenizer import CORPUS, tiny_tokenizer_json
-
-    vocab = tokenizers.Tokenizer.from_str(tiny_tokenizer_json()).get_vocab()
-    words = set(re.findall(r"[A-Za-z]+", CORPUS))
-    return sorted(w for w in words if len(w) > 1 and "Ġ" + w in vocab)
-
-
-def words_text(ids: list[int], words: list[str]) -> str:
-    """A trace's token ids as text: each id one word (id modulo the number of words)."""
-    return "".join(" " + words[i % len(words)] for i in ids)
-
-
 @dataclass
 class Job:
-    """One request: its prompt is the conversation so far (the system prompt, the earlier
-    turns and their answers), then `user`."""
+    """One request: its prompt is the conversation so far (system, earlier turns), then `user`."""
 
     index: int
     conversation: int
@@ -79,32 +57,28 @@ class Trace:
 
 def read_trace(name: str, path: Path, limit: int | None, max_tokens: int | None = None) -> Trace:
     """The first `limit` requests of a trace (agent: every first turn, then every second...),
-    each asking for `max_tokens` tokens if given (else the trace's own numbers)."""
-    trace = read_trace_file(name, path, limit)
-    for job in trace.jobs if max_tokens else ():
-        job.max_tokens = max_tokens
-    return trace
+    each asking for `max_tokens` tokens if given; an agent trace's token ids as words of the tiny
+    corpus that are one token each."""
+    import tokenizers
 
+    from tiny_llm_support.tiny_tokenizer import CORPUS, tiny_tokenizer_json
 
-def read_trace_file(name: str, path: Path, limit: int | None) -> Trace:
     raw = path.read_bytes()
     data, sha = json.loads(raw), hashlib.sha256(raw).hexdigest()
     if name == "chat":
-        items = data["requests"][:limit]
-        jobs = [Job(i, i, 0, r["prompt"], r["max_tokens"]) for i, r in enumerate(items)]
+        jobs = [Job(i, i, 0, r["prompt"], max_tokens or r["max_tokens"])
+                for i, r in enumerate(data["requests"][:limit])]  # fmt: skip
         return Trace(name, path, sha, "", jobs)
-    words, conversations = trace_words(), data["conversations"]
+    vocab = tokenizers.Tokenizer.from_str(tiny_tokenizer_json()).get_vocab()
+    words = sorted({w for w in re.findall(r"[A-Za-z]+", CORPUS) if len(w) > 1 and "Ġ" + w in vocab})
+    text = lambda ids: "".join(" " + words[i % len(words)] for i in ids)
+    conversations = data["conversations"]
     if limit is not None:  # enough conversations for `limit` turns
         conversations = conversations[: max(1, -(-limit // max(map(len, conversations))))]
     order = sorted((t, c) for c, turns in enumerate(conversations) for t in range(len(turns)))
-    jobs = [
-        Job(i, c, t, words_text(conversations[c][t], words), data["max_tokens"])
-        for i, (t, c) in enumerate(order[:limit])
-    ]
-    return Trace(name, path, sha, words_text(data["system"], words), jobs)
-
-
-# --- the clients ---------------------------------------------------------------------------
+    jobs = [Job(i, c, t, text(conversations[c][t]), max_tokens or data["max_tokens"])
+            for i, (t, c) in enumerate(order[:limit])]  # fmt: skip
+    return Trace(name, path, sha, text(data["system"]), jobs)
 
 
 @dataclass
@@ -139,8 +113,7 @@ class Record:
 
 
 async def stream_one(client, model_id: str, prompt: str, max_tokens: int, rec: Record, clock):
-    """One greedy streaming completion, every content chunk's arrival recorded; after
-    rec.hangup_after_chunks chunks, where set, the stream is closed (the client leaves)."""
+    """One greedy streaming completion into `rec`, hanging up after rec.hangup_after_chunks."""
     rec.sent_s, rec.prompt_chars = clock(), len(prompt)
     try:
         stream = await client.completions.create(
@@ -172,11 +145,8 @@ async def stream_one(client, model_id: str, prompt: str, max_tokens: int, rec: R
 
 def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     """A Poisson process of `rate` requests/s: exponential gaps of mean 1/rate, from `seed`."""
-    rng, t, times = random.Random(seed), 0.0, []
-    for _ in range(n):
-        t += rng.expovariate(rate)
-        times.append(t)
-    return times
+    rng = random.Random(seed)
+    return list(itertools.accumulate(rng.expovariate(rate) for _ in range(n)))
 
 
 async def replay(server, trace: Trace, jobs, times, hangups=None) -> list[Record]:
@@ -239,9 +209,6 @@ def run_metrics(records: list[Record], rate: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
-# --- the servers, and one run against one --------------------------------------------------
-
-
 def start_server(name: str, ckpt: Path, args, env: dict, tmp: Path):
     """The server `name` loading `ckpt` (a context manager), or --url's, already running."""
     if name == "url":
@@ -254,8 +221,8 @@ def start_server(name: str, ckpt: Path, args, env: dict, tmp: Path):
         cmd = [sys.executable, "-m", "mlx_lm", "server", "--model", str(ckpt),
                "--host", "127.0.0.1", "--log-level", "WARNING"]  # fmt: skip
         if name == "mlx-lm-batch":  # its batch size set to ours
-            cmd += ["--decode-concurrency", str(args.batch_size)]
-            cmd += ["--prompt-concurrency", str(args.batch_size)]
+            cmd += ["--decode-concurrency", str(args.batch_size),
+                    "--prompt-concurrency", str(args.batch_size)]  # fmt: skip
         server = harness.Server(name, cmd, env, tmp / f"{name}.log")
     server.model_id = str(ckpt) if name == "tiny-llm" else "default_model"
     return server
@@ -277,13 +244,9 @@ def run_load(name: str, server, trace: Trace, rate: float, seed: int) -> dict[st
             "requests": [r.summary() for r in records]}  # fmt: skip
 
 
-# --- the checkpoint the servers load --------------------------------------------------------
-
-
 def write_model(args, directory: Path) -> dict[str, Any]:
-    """The float32 checkpoint every server loads, and its description: --model tiny (the
-    trained tiny chat model, cast), a shortcut (random weights of its shape, --num-layers
-    layers, the tiny tokenizer) or a directory of one's own (used as it is)."""
+    """The float32 checkpoint every server loads, and its description: tiny (cast), a shortcut
+    (random weights of its shape, the tiny tokenizer) or a directory of one's own (as it is)."""
     import mlx.core as mx
     import tokenizers
 

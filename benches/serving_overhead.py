@@ -1,15 +1,12 @@
 """4.3: what the server adds around the engine, and what the engine's bookkeeping costs.
 
-One greedy workload (the demo's chat prompts, all at once), two ways, alternately, each run in a
-fresh process: "engine", the reference Engine stepped in a loop, each step timed in two parts
-(the scheduler's iteration: the forward passes; collecting every request's new text:
-detokenizing, stop strings, outputs); "server", serve.py on a free loopback port, every prompt
-streamed at once by the `openai` client, a thread each. Reported: tokens/s, time to first token,
-the step's parts, and the server's tokens/s over the engine's.
+One greedy workload (the demo's chat prompts, all at once), each run in a fresh process, two ways
+in turn: "engine", the reference Engine stepped in a loop, each step timed in two parts (the
+scheduler's iteration: the forward passes; collecting the new text: detokenizing, stop strings,
+outputs); "server", serve.py with every prompt streamed at once by `openai` clients. Reported:
+tokens/s, time to first token, the step's parts, and the server's tokens/s over the engine's.
 
     pdm run bench-serving-overhead [--model tiny] [--prompts 8] [--max-tokens 48] [--repeats 3]
-
-Writes benches/results/serving-overhead-<model>-linux-2cpu.json (or --json-output).
 """
 
 from __future__ import annotations
@@ -36,15 +33,28 @@ def chat_prompts(n: int) -> list[list[dict]]:
     return [[{"role": "user", "content": p.content()}] for p in chosen]
 
 
+def timed(owner, name: str, times: list[float] | None = None, per_call=True) -> list[float]:
+    """Wrap owner.<name> to record its times: one entry per call, or (per_call False) added to the
+    last entry of `times` (a new list unless given). The list of times."""
+    real, times = getattr(owner, name), [] if times is None else times
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        out = real(*args, **kwargs)
+        if per_call:
+            times.append(time.perf_counter() - start)
+        else:
+            times[-1] += time.perf_counter() - start
+        return out
+
+    setattr(owner, name, wrapper)
+    return times
+
+
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One run, in its own process: the engine alone, or the server and its clients."""
-    return run_engine(spec) if spec["mode"] == "engine" else run_server(spec)
-
-
-# --- the engine alone ----------------------------------------------------------------------
-
-
-def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    if spec["mode"] == "server":
+        return run_server(spec)
     import tiny_llm_ref as ref
     from tiny_llm_support import load_checkpoint
     from tiny_llm_support.cli import model_path
@@ -73,27 +83,6 @@ def run_engine(spec: dict[str, Any]) -> dict[str, Any]:
             "iterate_ms": harness.summarize(iterate_s, 1000),
             "collect_ms": harness.summarize(collect_s, 1000),
             "collect_share": sum(collect_s) / (sum(collect_s) + sum(iterate_s))}  # fmt: skip
-
-
-def timed(engine, name: str, per_call: bool = True) -> list[float]:
-    """Wrap engine.<name> to record its time: one entry per call, or (per_call False) added to
-    the last entry (the current step's). The list of times."""
-    real, times = getattr(engine, name), []
-
-    def wrapper(*args):
-        t0 = time.perf_counter()
-        out = real(*args)
-        if per_call:
-            times.append(time.perf_counter() - t0)
-        else:
-            times[-1] += time.perf_counter() - t0
-        return out
-
-    setattr(engine, name, wrapper)
-    return times
-
-
-# --- the server, driven by the openai client -------------------------------------------------
 
 
 def run_server(spec: dict[str, Any]) -> dict[str, Any]:
@@ -129,9 +118,6 @@ def stream(client, messages, max_tokens: int, model: str, start: float = 0.0) ->
     return first, tokens
 
 
-# --- the whole comparison ------------------------------------------------------------------
-
-
 def main(argv=None) -> int:
     p = harness.served_bench_parser("bench-serving-overhead", __doc__, repeats_of="mode")
     p.add_argument("--prompts", type=int_at_least(1), default=8, help="requests, all at once")
@@ -157,11 +143,9 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     )
     summary = {mode: {"tokens_per_s": median(mode, "tokens_per_s"),
                       "ttft_ms_median": median(mode, "ttft_ms", "median")} for mode in MODES}  # fmt: skip
-    summary["engine"] |= {
-        "collect_share": median("engine", "collect_share"),
-        "collect_ms_median": median("engine", "collect_ms", "median"),
-        "iterate_ms_median": median("engine", "iterate_ms", "median"),
-    }
+    summary["engine"] |= {"collect_share": median("engine", "collect_share"),
+                          "collect_ms_median": median("engine", "collect_ms", "median"),
+                          "iterate_ms_median": median("engine", "iterate_ms", "median")}  # fmt: skip
     summary["server_over_engine"] = (
         summary["server"]["tokens_per_s"] / summary["engine"]["tokens_per_s"]
     )

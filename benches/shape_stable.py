@@ -1,16 +1,10 @@
-"""Week 3 Day 3, shape-stable prefill: the seed's experiment on MLX.
-
-Five prompts of the seed's lengths are served one at a time, twice over, by a compiled model
-(Qwen3Model(compiled=True): each block's token-parallel halves in a CompileCache of `cap`
-variants) under each padding ladder of CONFIGS, and by the eager model as the baseline; each
-configuration in a fresh process. Per forward pass: real and padded rows, compiles, evictions;
-per prompt: latency and MLX's memory after it; the greedy tokens, which must be the eager
-model's. A last run times prefill and decode: eager, compiled, and mlx-lm on the same weights.
+"""Week 3 Day 3, shape-stable prefill: five prompts of the seed's lengths, served twice over by a
+compiled model (Qwen3Model(compiled=True), `cap` variants per CompileCache) under each padding
+ladder of CONFIGS and by the eager model, each configuration in a fresh process: per forward pass
+its rows, padded width, compiles and evictions; per prompt its latency, memory and greedy tokens
+(which must be the eager model's). A last run times prefill and decode: eager, compiled, mlx-lm.
 
     pdm run bench-shape-stable --model qwen3-0.6b --num-layers 8
-
-Writes benches/results/shape-stable-<model>-<layers>l.json: every pass and prompt in runs, and
-per configuration its widths, compiles, evictions, latency and peak memory in summary.configs.
 """
 
 from __future__ import annotations
@@ -39,25 +33,6 @@ CONFIGS = {  # name: (ladder, compile cache capacity); ladder None: no padding
     "3 steps, cap 4": ("steps-3", 4),
     "powers of two, cap 4": ("pow2", 4),
 }
-NO_COMPILES = {"compiles": 0, "evictions": 0}  # the eager model's compile_stats()
-
-
-def power_of_two_width(rows: int, chunk_width: int) -> int:
-    """The smallest power of two >= rows, capped at the chunk width."""
-    return min(1 << (rows - 1).bit_length(), chunk_width)
-
-
-def ladder_of(name: str | None, api: Any):
-    """batch_generate's query_padding for a ladder's name: False (eager: never pad), None (no
-    padding), or a function of (rows, chunk width) -> padded width."""
-    if name is None or name == "eager":
-        return False
-    if name == "pow2":
-        return power_of_two_width
-    return partial(api.prefill_query_width, steps=int(name.split("-")[1]))
-
-
-# --- one run, in its own process ------------------------------------------------------------
 
 
 class WidthSpy:
@@ -75,7 +50,7 @@ class WidthSpy:
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """One configuration's passes and prompts, or the speeds."""
+    """In a fresh process: one configuration's passes and prompts, or the speeds."""
     args = argparse.Namespace(**spec["args"])
     choose_device(args.device)
     _, ckpt = harness.load_weights(spec["model"], args.dtype)
@@ -88,9 +63,15 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 def serve_prompts(api, ckpt, config: str, prompts: list[list[int]], args) -> dict[str, Any]:
     """Every prompt through batch_generate, twice over: each pass and each prompt."""
     ladder, capacity = CONFIGS[config]
+    if ladder in (None, "eager"):  # batch_generate's query_padding: never pad
+        padding = False
+    elif ladder == "pow2":  # the smallest power of two >= rows, capped at the chunk width
+        padding = lambda rows, chunk_width: min(1 << (rows - 1).bit_length(), chunk_width)
+    else:  # "steps-N"
+        padding = partial(api.prefill_query_width, steps=int(ladder.split("-")[1]))
     compiled = {"compiled": True, "compile_capacity": capacity} if ladder != "eager" else {}
     model = WidthSpy(api.Qwen3Model(ckpt, **compiled))
-    compile_stats = model.compile_stats if compiled else lambda: NO_COMPILES
+    compile_stats = model.compile_stats if compiled else lambda: {"compiles": 0, "evictions": 0}
     passes, records, tokens, compiles = [], [], [], 0
 
     def on_step(step) -> None:
@@ -113,7 +94,7 @@ def serve_prompts(api, ckpt, config: str, prompts: list[list[int]], args) -> dic
             api.batch_generate(
                 model, NoTextTokenizer(), [prompt], max_seq_len=model.max_seq_len, batch_size=1,
                 prefill_step=args.chunk_width, max_new_tokens=args.new_tokens, ignore_eos=True,
-                query_padding=ladder_of(ladder, api), on_step=on_step,
+                query_padding=padding, on_step=on_step,
             )  # fmt: skip
             records.append({
                 "round": round_, "prompt_tokens": len(prompt),
@@ -169,14 +150,9 @@ def time_speeds(api, ckpt, tokens: list[int], args) -> dict[str, Any]:
             "times": times}  # fmt: skip
 
 
-# --- the parent -----------------------------------------------------------------------------
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = harness.bench_parser(
-        "bench-shape-stable",
-        "Compiles, evictions and memory of a compiled model under padding ladders.",
-    )
+def main(argv: list[str] | None = None) -> int:
+    p = harness.bench_parser("bench-shape-stable", "Compiles, evictions and memory of a "
+                             "compiled model under padding ladders.")  # fmt: skip
     harness.add_model_arguments(p, default_model="tiny")
     b = p.add_argument_group("the experiment")
     # fmt: off
@@ -190,16 +166,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-speeds", action="store_true", help="skip the speed comparison")
     # fmt: on
     harness.add_output_arguments(b, "shape-stable-<model>-<layers>l.json")
-    return p
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = p.parse_args(argv)
     args.dtype = args.dtype or default_dtype("cpu")  # float32 unless --dtype, whatever --device
-    model = harness.bench_model_from_args(parser, args)
+    model = harness.bench_model_from_args(p, args)
     name = f"shape-stable-{harness.model_slug(model)}-{model.num_layers}l.json"
-    harness.set_output_paths(parser, args, harness.RESULTS / name)
+    harness.set_output_paths(p, args, harness.RESULTS / name)
     started = time.time()
     limit = int(model.config["max_position_embeddings"]) - 64
     lengths = [min(n, limit) for n in PROMPT_LENGTHS]
@@ -222,9 +193,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def summary_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """Per configuration: the prefill widths it ran, its compiles (all, and on the second
-    pass over the prompts), evictions, latency per round, peak memory, and whether it gave
-    the eager model's tokens; and the speeds' medians."""
+    """Per configuration: prefill widths, compiles (all, on the second pass), evictions, latency
+    per round, peak memory, whether it gave the eager model's tokens; the speeds' medians."""
     served = [run for run in runs if run["config"] != "speeds"]
     eager = next((run for run in served if run["ladder"] == "eager"), None)
     tokens = lambda run: [p["tokens"] for p in run["prompts"]]
@@ -242,21 +212,18 @@ def summary_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_bytes": max(p["peak_bytes"] for p in prompts),
             "tokens_equal_eager": eager is not None and tokens(run) == tokens(eager),
         }
-    speeds = next((run for run in runs if run["config"] == "speeds"), None)
-    return {"configs": configs, "speeds": speeds and speed_medians(speeds)}
-
-
-def speed_medians(run: dict[str, Any]) -> dict[str, Any]:
-    median, length = harness.median, run["prompt_tokens"]
+    timed = next((run for run in runs if run["config"] == "speeds"), None)
+    if timed is None:
+        return {"configs": configs, "speeds": None}
+    median, length = harness.median, timed["prompt_tokens"]
     impls = {
-        name: {
-            "prefill_tokens_per_s": length / median(t["prefill_s"]),
-            "prefill_s_median": median(t["prefill_s"]),
-            "decode_ms_median": median(t["decode_ms"]),
-        }
-        for name, t in run["times"].items()
-    }
-    return {"prompt_tokens": length, "decode_steps": run["decode_steps"], "impls": impls}
+        name: {"prefill_tokens_per_s": length / median(t["prefill_s"]),
+               "prefill_s_median": median(t["prefill_s"]),
+               "decode_ms_median": median(t["decode_ms"])}
+        for name, t in timed["times"].items()
+    }  # fmt: skip
+    speeds = {"prompt_tokens": length, "decode_steps": timed["decode_steps"], "impls": impls}
+    return {"configs": configs, "speeds": speeds}
 
 
 def summary_table(report: dict[str, Any]) -> str:

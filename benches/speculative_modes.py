@@ -1,19 +1,17 @@
-"""bench-speculative's modes: a mode's name taken apart (Mode, parse_mode), and how a mode serves
-the prompts of a trace in a run's own process: the solution's Engine with the mode's proposer
-(engine_server, serve_engine) or mlx-lm's stream_generate (serve_mlx_lm), each giving one row of
-numbers and the answers (row_metrics).
-"""
+"""bench-speculative's modes (parse_mode) and how a mode serves a trace's prompts in a run's own
+process: the Engine with the mode's proposer, or mlx-lm's stream_generate; a row of numbers each."""
 
 from __future__ import annotations
 
 import dataclasses
 import re
 import time
+from collections import Counter
 from typing import Any
 
 from benches import trace_run
 from tiny_llm_support import Checkpoint
-from tiny_llm_support.cli import SOLUTIONS, load_solution
+from tiny_llm_support.cli import load_solution
 
 MODE_PATTERN = re.compile(
     r"^(?P<mlx>mlx-lm-)?(?:(?P<plain>plain)|lookup-k(?P<lk>\d+)"
@@ -23,8 +21,6 @@ MODE_PATTERN = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class Mode:
-    """A mode name taken apart: who serves (engine or mlx-lm), how it proposes, how many."""
-
     name: str
     runner: str  # "engine" or "mlx-lm"
     kind: str  # "plain", "lookup" or "draft"
@@ -38,7 +34,6 @@ class Mode:
 
 
 def parse_mode(name: str) -> Mode:
-    """A Mode from its name; ValueError if the name means nothing."""
     m = MODE_PATTERN.match(name)
     if m is None:
         raise ValueError(f"unknown mode {name!r}: use plain, lookup-kN, draft-Mlayer-kN, "
@@ -55,8 +50,7 @@ def parse_mode(name: str) -> Mode:
 
 
 def draft_checkpoint(ckpt: Checkpoint, layers: int | None) -> Checkpoint:
-    """The target's first `layers` layers (None: all), its embeddings, final norm and tied
-    head, on the very same weight arrays."""
+    """The target's first `layers` layers (None: all) on the very same weight arrays."""
     n = layers or ckpt.config.num_hidden_layers
     raw = {**ckpt.config.raw, "num_hidden_layers": n}
     config = dataclasses.replace(ckpt.config, num_hidden_layers=n, raw=raw)
@@ -64,12 +58,11 @@ def draft_checkpoint(ckpt: Checkpoint, layers: int | None) -> Checkpoint:
 
 
 def engine_server(spec: dict[str, Any], mode: Mode, ckpt: Checkpoint, draft: Checkpoint | None):
-    """serve(prompts, batch_size, max_tokens) -> a row, on the solution's Engine with the
-    mode's proposer (a new one for each call)."""
+    """serve(prompts, batch_size, max_tokens) -> a row: every prompt at once through the
+    solution's Engine with a new proposer of the mode's, greedy, each step timed. Decode: the
+    steps that held no prompt chunk (the engine's DraftModel fills its cache with the prompt in
+    a request's first decode pass: for draft-* that counts as decode here)."""
     api = load_solution(spec["solution"])
-    for name in ("Engine", "PromptLookup", "DraftModel"):
-        if not hasattr(api, name):
-            raise NotImplementedError(f"Week 4 Day 5: {SOLUTIONS[spec['solution']]} has no {name}")
     target = api.Qwen3Model(ckpt, max_seq_len=spec["max_seq_len"])
     if draft is not None:  # a model of its own, on the same weight arrays
         draft = api.Qwen3Model(draft, max_seq_len=spec["max_seq_len"])
@@ -85,58 +78,50 @@ def engine_server(spec: dict[str, Any], mode: Mode, ckpt: Checkpoint, draft: Che
                             batch_size=batch_size, prefill_step=spec["prefill_step"], pools=None,
                             policy="hybrid", speculative=proposer,
                             on_step=lambda step: kinds.append(step.kind))  # fmt: skip
-        return serve_engine(engine, api.SamplingParams(max_tokens=max_tokens), prompts, kinds)
+        params = api.SamplingParams(max_tokens=max_tokens)
+        index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+        outputs = [{"token_ids": [], "text": "", "finish_reason": None} for _ in prompts]
+        decode, passes, t0 = Counter(tokens=0, s=0.0, passes=0, rows=0), 0, time.perf_counter()
+        while engine.has_work:
+            kinds.clear()
+            before, t = engine.scheduler.passes, time.perf_counter()
+            outs = engine.step()
+            dt = time.perf_counter() - t
+            ran = engine.scheduler.passes - before  # the target's passes
+            passes += ran
+            for out in outs:
+                record = outputs[index[out.request_id]]
+                record["token_ids"] += out.token_ids
+                record["text"] += out.text
+                record["finish_reason"] = out.finish_reason or record["finish_reason"]
+            tokens = sum(len(out.token_ids) for out in outs)
+            if "prefill" not in kinds and tokens:  # (Counter.update adds)
+                decode.update(
+                    tokens=tokens, s=dt, passes=ran, rows=sum(bool(o.token_ids) for o in outs)
+                )
+        wall = time.perf_counter() - t0
+        if any(o["finish_reason"] is None for o in outputs):
+            raise trace_run.WrongOutput("a request never finished")
+        stats = engine.stats()
+        counts = {"passes": passes, "proposed": stats["tokens_proposed"],
+                  "accepted": stats["tokens_accepted"]}  # fmt: skip
+        return row_metrics(outputs, prompts, wall, decode, counts)
 
     return serve
 
 
-def serve_engine(engine, params, prompts: list[list[int]], kinds: list[str]) -> dict[str, Any]:
-    """Every prompt at once through the Engine, greedy, each step timed. Decode: the steps that
-    held no prompt chunk (the engine's DraftModel fills its cache with the prompt in a
-    request's first decode pass: for draft-* that counts as decode here)."""
-    index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
-    outputs = [{"token_ids": [], "text": "", "finish_reason": None} for _ in prompts]
-    decode, passes, t0 = {"tokens": 0, "s": 0.0, "passes": 0, "rows": 0}, 0, time.perf_counter()
-    while engine.has_work:
-        kinds.clear()
-        before, t = getattr(engine.scheduler, "passes", passes), time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - t
-        ran = getattr(engine.scheduler, "passes", before + 1) - before  # the target's passes
-        passes += ran
-        for out in outs:
-            record = outputs[index[out.request_id]]
-            record["token_ids"] += out.token_ids
-            record["text"] += out.text
-            record["finish_reason"] = out.finish_reason or record["finish_reason"]
-        tokens = sum(len(out.token_ids) for out in outs)
-        if "prefill" not in kinds and tokens:
-            decode["tokens"] += tokens
-            decode["s"] += dt
-            decode["passes"] += ran
-            decode["rows"] += sum(bool(out.token_ids) for out in outs)
-    wall = time.perf_counter() - t0
-    if any(o["finish_reason"] is None for o in outputs):
-        raise trace_run.WrongOutput("a request never finished")
-    stats = engine.stats()
-    counts = {"passes": passes, "proposed": stats.get("tokens_proposed", 0),
-              "accepted": stats.get("tokens_accepted", 0)}  # fmt: skip
-    return row_metrics(outputs, prompts, wall, decode, counts)
-
-
 def serve_mlx_lm(model, draft, k: int | None, ckpt: Checkpoint, prompts, max_tokens: int) -> dict:
     """Every prompt in turn through mlx-lm's stream_generate (speculative with a draft), greedy,
-    ending at EOS like the engine; the text decoded afterwards by the model's own tokenizer. A
-    pass is a run of tokens marked from_draft ending with one that is not (the target's own
-    token after the kept guesses). Decode: from the first pass's end to the last token (mlx-lm
-    prefills its draft before the first token, outside it)."""
+    ending at EOS like the engine. A pass is a run of tokens marked from_draft ending with one
+    that is not. Decode: from the first pass's end to the last token (mlx-lm prefills its draft
+    before the first token, outside it)."""
     from mlx_lm.generate import stream_generate
 
     eos = ckpt.tokenizer.eos_token_ids
     wrapper = trace_run.mlx_lm_tokenizer(eos)
     kwargs = {} if draft is None else {"draft_model": draft, "num_draft_tokens": k}
-    outputs, decode = [], {"tokens": 0, "s": 0.0, "passes": 0, "rows": 0}
-    counts, t0 = {"passes": 0, "proposed": 0, "accepted": 0}, time.perf_counter()
+    outputs, decode = [], Counter(tokens=0, s=0.0, passes=0, rows=0)
+    counts, t0 = dict(passes=0, proposed=0, accepted=0), time.perf_counter()
     for prompt in prompts:
         ids, times, starts, closed = [], [], [], True  # starts: where each pass's tokens start
         for response in stream_generate(model, wrapper, prompt, max_tokens=max_tokens, **kwargs):
@@ -149,11 +134,11 @@ def serve_mlx_lm(model, draft, k: int | None, ckpt: Checkpoint, prompts, max_tok
             counts["proposed"] += sum(min(k, max_tokens - start) for start in starts)
         counts["passes"] += len(starts)
         if len(starts) > 1:  # the tokens after the first pass, over their time
-            decode["tokens"] += len(ids) - starts[1]
-            decode["s"] += times[-1] - times[starts[1] - 1]
-            decode["passes"] += len(starts) - 1
-            decode["rows"] += len(starts) - 1
-        text = ckpt.tokenizer.decode([t for t in ids if t not in eos])
+            n = len(starts) - 1
+            decode.update(
+                tokens=len(ids) - starts[1], s=times[-1] - times[starts[1] - 1], passes=n, rows=n
+            )
+        text = ckpt.tokenizer.decode([t for t in ids if t not in eos])  # the model's tokenizer
         outputs.append({"token_ids": ids, "text": text, "finish_reason": response.finish_reason})
     return row_metrics(outputs, prompts, time.perf_counter() - t0, decode, counts)
 

@@ -1,24 +1,13 @@
-"""4.8: what a grammar costs the engine (chapter 4.8). Every run in a fresh process, in
-plan_runs' order (forward, then reversed, ...):
+"""4.8: what a grammar costs the engine, every run in a fresh process (plan_runs' order).
 
-- mask: a JSON document of an agent-like schema walked token by token through a `Grammar`, a
-  warm-up walk, then --walks walks timing the matcher's bitmask alone (`compute_bitmask`) and as
-  many timing a row's cost: `Grammar.allowed` (the bitmask as a [V] bool array) and `mask_rows` on
-  one row of logits, evaluated. With the tiny tokenizer at its own logits and padded to Qwen3's
-  151936, and with a Qwen3-sized tokenizer: --big-tokenizer, by default Qwen/Qwen3-0.6B's when
-  it is in the Hugging Face cache (nothing is downloaded; without one the JSON says so).
-- decode: the Engine (hybrid policy, pages read in place) with B requests prefilled, then --steps
-  decode steps timed with no row, one row or every row under a grammar that stays open (an array
-  of at least 512 small records), for each of --models: the shipped tiny chat model and the
-  --num-layers Qwen3-0.6B shape (random weights, the tiny tokenizer).
-
-Target (the issue): at the largest batch, a step with every row constrained takes at most 1.10x a
-step with none: a constrained row costs at most 10% more than a free one.
+- mask: a JSON document walked token by token through a `Grammar`: per token, the matcher's
+  bitmask alone, and a row's cost (`Grammar.allowed`, then `mask_rows` on one row of logits),
+  at the tiny tokenizer's vocabulary, padded to Qwen3's, and with a Qwen3-sized tokenizer
+  (--big-tokenizer, else Qwen3-0.6B's if in the Hugging Face cache; nothing is downloaded).
+- decode: the Engine's step with no row, one row or every row of a batch under a grammar that
+  stays open, for each of --models. Target: every row within 1.10x of none, at the largest batch.
 
     pdm run bench-structured-output [--models tiny qwen3-0.6b] [--batches 1 4 8] [--steps 16]
-                                    [--walks 10] [--big-tokenizer DIR] [--repeats 1]
-
-Writes benches/results/structured-output-<models>-<host>.json (or --json-output).
 """
 
 from __future__ import annotations
@@ -35,6 +24,7 @@ from typing import Any
 
 from benches import harness
 from benches.serving_load import DEFAULT_LAYERS, is_shape, write_model
+from benches.serving_overhead import timed
 from tiny_llm_support.cli import add_solution_argument, int_at_least, load_solution
 
 TARGET_RATIO = 1.10  # the issue: a constrained row within 10% of a free one, at batch 8
@@ -45,8 +35,7 @@ STRING, AGE = {"type": "string"}, {"type": "integer", "minimum": 0, "maximum": 1
 STATUS = {"enum": ["active", "inactive", "banned"]}
 
 
-def record(properties: dict) -> dict:
-    """A JSON schema's object with exactly these properties."""
+def record(properties: dict) -> dict:  # a JSON schema's object with exactly these properties
     return {"type": "object", "properties": properties, "required": list(properties),
             "additionalProperties": False}  # fmt: skip
 
@@ -72,11 +61,9 @@ DECODE_SCHEMA = {"type": "array", "minItems": 512, "items": record({
 
 
 def compile_schema(schema: dict) -> str:
-    import llguidance
+    from llguidance import LLMatcher
 
-    return llguidance.LLMatcher.grammar_from_json_schema(
-        schema, defaults={"whitespace_flexible": False}
-    )
+    return LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
@@ -85,7 +72,6 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_mask(spec: dict[str, Any]) -> dict[str, Any]:
-    """The document walked through a Grammar: each part's µs per token."""
     import mlx.core as mx
 
     from tiny_llm_support import load_tokenizer
@@ -109,9 +95,10 @@ def measure_mask(spec: dict[str, Any]) -> dict[str, Any]:
                 middle = time.perf_counter()
                 mx.eval(api.mask_rows(logits, [allowed]))
                 end = time.perf_counter()
-                for part, seconds in (("allowed", middle - start), ("mask_rows", end - middle),
-                                      ("row", end - start)):  # fmt: skip
-                    times[part] += [seconds] * (walk > 0)
+                if walk > 0:
+                    times["allowed"].append(middle - start)
+                    times["mask_rows"].append(end - middle)
+                    times["row"].append(end - start)
             grammar.advance(token)
     return {"part": "mask", "label": spec["label"], "vocab": spec["vocab"], "tokens": len(ids),
             "tokenizer_vocab": tokenizer.vocab_size,
@@ -119,7 +106,6 @@ def measure_mask(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
-    """B requests prefilled, then the timed decode steps, with 0, 1 or B under the grammar."""
     from tiny_llm_support import load_checkpoint
 
     api = load_solution(spec["solution"])
@@ -148,15 +134,8 @@ def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
         step()
     for _ in range(WARMUP_STEPS):
         step()
-    masking, constrain = [0.0], sampler.constrain  # seconds building the masks on the host
-
-    def timed_constrain(logits, requests):
-        start = time.perf_counter()
-        masked = constrain(logits, requests)
-        masking[0] += time.perf_counter() - start
-        return masked
-
-    sampler.constrain, times, tokens = timed_constrain, [], 0
+    masking = timed(sampler, "constrain", [0.0], per_call=False)  # building the masks, on the host
+    times, tokens = [], 0
     for _ in range(steps):
         start = time.perf_counter()
         outputs = step()
@@ -171,8 +150,7 @@ def measure_decode(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def big_tokenizer(path: Path | None) -> tuple[Path | None, str]:
-    """The directory of a Qwen3-sized tokenizer (--big-tokenizer, else Qwen3-0.6B's in the
-    Hugging Face cache) and where it came from; (None, why) when there is none."""
+    """The directory of a Qwen3-sized tokenizer and where it came from, or (None, why not)."""
     if path is not None:
         return (path.parent if path.name == "tokenizer.json" else path), "--big-tokenizer"
     try:
@@ -266,9 +244,7 @@ def run_line(run: dict[str, Any]) -> str:
 
 
 def summarize(runs: list[dict], models: list[str], batches: list[int]) -> dict[str, Any]:
-    """mask: per vocabulary, each part's p50 and p95 in µs (medians over repeats). decode: per
-    model, batch and setting, the median step, tokens/s and ms building masks a step, and the
-    steps' ratios over the unconstrained one."""
+    """The medians over repeats, per vocabulary and per (model, batch, rows constrained)."""
     groups: dict[tuple, list[dict]] = {}
     for r in runs:
         key = (r["label"],) if r["part"] == "mask" else (r["model"], str(r["batch"]), r["how"])

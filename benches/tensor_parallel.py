@@ -9,10 +9,6 @@ ranks, one all_sum of a decode-sized [1, E] and a prefill-sized [prefill-len, E]
 Beside them, the arithmetic: two all-reduces of hidden_size values per token and block.
 
     pdm run bench-tensor-parallel                       # 0.6B shape, 1 and 2 ranks
-    pdm run bench-tensor-parallel --num-layers 2 --prefill-len 32 --context 32 \\
-        --decode-steps 4 --repeats 1                    # a smoke run, under a minute
-
-Writes benches/results/tensor-parallel-<model>[-<N>layers].json and prints a table.
 """
 
 from __future__ import annotations
@@ -34,45 +30,6 @@ from tiny_llm_support.cli import DTYPES, int_at_least, load_solution
 ALL_SUM_REPEATS = 20
 
 
-# --- one rank ------------------------------------------------------------------------------
-
-
-def measure_prefill(model, tokens: mx.array, repeats: int) -> list[float]:
-    """Seconds of each prefill of tokens [1, T] on a fresh cache, after a warm-up."""
-    times = []
-    for _ in range(repeats + 1):
-        cache = model.create_kv_cache()
-        times.append(timed(lambda c=cache: model(tokens, 0, c, logits_to_keep=1)))
-        for layer_cache in cache:
-            layer_cache.release()
-    return times[1:]
-
-
-def measure_decode(model, context: mx.array, steps: int) -> tuple[list[float], int]:
-    """Seconds of each greedy decode step after a prefill of context [1, T], after two warm-up
-    steps; and the bytes of the KV cache at the end (the dense buffers' capacity)."""
-    cache = model.create_kv_cache()
-    logits = model(context, 0, cache, logits_to_keep=1)  # [1, 1, V]
-    offset, times = context.shape[1], []
-    for _ in range(steps + 2):
-        token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]  # [1, 1]
-        start = time.perf_counter()
-        logits = model(token, offset, cache)
-        mx.eval(logits)
-        times.append(time.perf_counter() - start)
-        offset += 1
-    return times[2:], sum(c.keys.nbytes + c.values.nbytes for c in cache)
-
-
-def all_sum_ms(group, shape: tuple[int, int], dtype: mx.Dtype) -> float:
-    """Median ms of one all_sum of an array of `shape` over the group, after a warm-up."""
-    x = mx.ones(shape, dtype=dtype)
-    times = [
-        timed(lambda: mx.distributed.all_sum(x, group=group)) for _ in range(ALL_SUM_REPEATS + 1)
-    ]
-    return harness.median(times[1:]) * 1000
-
-
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
     """One rank (`python -m benches tensor-parallel --child-spec FILE`): its memory and times."""
     s, ranks = spec["settings"], spec["ranks"]
@@ -92,28 +49,36 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
     mx.reset_peak_memory()
     high = bench_model.token_ids[1]  # Qwen3's control tokens start here: prompts avoid them
     ids = mx.random.randint(0, high, (1, s["prefill_len"]), key=mx.random.key(1))
-    prefill = measure_prefill(model, ids, s["repeats"])
+    prefill = []  # each prefill on a fresh cache, the first one a warm-up
+    for _ in range(s["repeats"] + 1):
+        cache = model.create_kv_cache()
+        prefill.append(timed(lambda c=cache: model(ids, 0, c, logits_to_keep=1)))
+        for layer_cache in cache:
+            layer_cache.release()
     context = mx.random.randint(0, high, (1, s["context"]), key=mx.random.key(2))
-    decode, kv_bytes = measure_decode(model, context, s["decode_steps"])
-    record = {
-        "rank": group.rank(),
-        "ranks": ranks,
-        "weights_bytes": weights_bytes,
-        "kv_cache_bytes": kv_bytes,
-        "peak_bytes": mx.get_peak_memory(),
-        "prefill_s": prefill,
-        "prefill_ms_median": harness.median(prefill) * 1000,
-        "decode_step_s": decode,
-        "decode_step_ms_median": harness.median(decode) * 1000,
-    }
-    if ranks > 1:
+    cache = model.create_kv_cache()
+    logits = model(context, 0, cache, logits_to_keep=1)  # [1, 1, V]
+    decode = []  # greedy steps after the context, the first two a warm-up
+    for offset in range(s["context"], s["context"] + s["decode_steps"] + 2):
+        token = mx.argmax(logits[:, -1, :], axis=-1)[:, None]  # [1, 1]
+        start = time.perf_counter()
+        logits = model(token, offset, cache)
+        mx.eval(logits)
+        decode.append(time.perf_counter() - start)
+    prefill, decode = prefill[1:], decode[2:]
+    record = {"rank": group.rank(), "ranks": ranks, "weights_bytes": weights_bytes,
+              "kv_cache_bytes": sum(c.keys.nbytes + c.values.nbytes for c in cache),
+              "peak_bytes": mx.get_peak_memory(), "prefill_s": prefill,
+              "prefill_ms_median": harness.median(prefill) * 1000, "decode_step_s": decode,
+              "decode_step_ms_median": harness.median(decode) * 1000}  # fmt: skip
+    if ranks > 1:  # one all_sum of each message, median after a warm-up
         e, dtype = bench_model.qwen3_config.hidden_size, DTYPES[s["dtype"]]
-        record["all_sum_ms_decode_message"] = all_sum_ms(group, (1, e), dtype)
-        record["all_sum_ms_prefill_message"] = all_sum_ms(group, (s["prefill_len"], e), dtype)
+        for message, rows in (("decode", 1), ("prefill", s["prefill_len"])):
+            x = mx.ones((rows, e), dtype=dtype)
+            times = [timed(lambda x=x: mx.distributed.all_sum(x, group=group))
+                     for _ in range(ALL_SUM_REPEATS + 1)]  # fmt: skip
+            record[f"all_sum_ms_{message}_message"] = harness.median(times[1:]) * 1000
     return record
-
-
-# --- the parent ----------------------------------------------------------------------------
 
 
 def by_ranks(settings: dict, config, runs: list[dict]) -> dict[str, dict]:
@@ -128,36 +93,21 @@ def by_ranks(settings: dict, config, runs: list[dict]) -> dict[str, dict]:
             "prefill_ms": first["prefill_ms_median"],
             "prefill_tokens_per_s": settings["prefill_len"] / first["prefill_ms_median"] * 1000,
             "decode_step_ms": first["decode_step_ms_median"],
-            "weights_mib_per_rank": [r["weights_bytes"] / 2**20 for r in per_rank],
-            "kv_cache_mib_per_rank": [r["kv_cache_bytes"] / 2**20 for r in per_rank],
-            "peak_mib_per_rank": [r["peak_bytes"] / 2**20 for r in per_rank],
+            **{f"{what}_mib_per_rank": [r[f"{what}_bytes"] / 2**20 for r in per_rank]
+               for what in ("weights", "kv_cache", "peak")},
             "all_sum_ms_decode_message": first.get("all_sum_ms_decode_message"),
             "all_sum_ms_prefill_message": first.get("all_sum_ms_prefill_message"),
             "all_reduces_per_forward_pass": 2 * config.num_hidden_layers * (n > 1),
             "bytes_all_reduced_per_token": per_token,
             # a ring all-reduce sends (and receives) 2 (N - 1) / N of the message on every rank
             "bytes_sent_per_rank_per_token": per_token * 2 * (n - 1) / n,
-        }
+        }  # fmt: skip
     return rows
 
 
-def run_label(spec: dict[str, Any]) -> str:
-    """A run (its spec, or a record of it) in the progress lines: its rank count."""
-    return f"{spec['ranks']} rank(s)"
-
-
-def run_line(records: list[dict[str, Any]]) -> str:
-    """What a run measured, for the progress lines: rank 0's decode step."""
-    return f"{run_label(records[0])}: decode step {records[0]['decode_step_ms_median']:.1f} ms"
-
-
 def summary_table(report: dict[str, Any]) -> str:
-    def mib(values: list[float]) -> str:
-        return " ".join(f"{v:,.0f}" for v in values)
-
-    def ms(value: float | None) -> str:
-        return "-" if value is None else f"{value:.2f}"
-
+    mib = lambda values: " ".join(f"{v:,.0f}" for v in values)
+    ms = lambda value: "-" if value is None else f"{value:.2f}"
     rows = [(n, f"{r['prefill_ms']:,.0f}", f"{r['decode_step_ms']:.1f}",
              mib(r["weights_mib_per_rank"]), mib(r["kv_cache_mib_per_rank"]),
              mib(r["peak_mib_per_rank"]), ms(r["all_sum_ms_decode_message"]),
@@ -198,9 +148,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     settings = {**harness.arguments_json(args, ["json_output"]),
                 "device": harness.device_name(args.device)}  # fmt: skip
     shared = {"model": model.to_dict(), "settings": settings, "solution": args.solution}
-    specs = [{**shared, "ranks": n} for n in args.ranks]
+    label = lambda spec: f"{spec['ranks']} rank(s)"
+    line = lambda rs: f"{label(rs[0])}: decode step {rs[0]['decode_step_ms_median']:.1f} ms"
     with tempfile.TemporaryDirectory(prefix="bench-tensor-parallel-") as tmp:
-        by_run = harness.run_rank_plan(__name__, specs, Path(tmp), run_label, run_line)
+        specs = [{**shared, "ranks": n} for n in args.ranks]
+        by_run = harness.run_rank_plan(__name__, specs, Path(tmp), label, line)
     runs = [record for records in by_run for record in records]
     summary = {"by_ranks": by_ranks(settings, config, runs)}
     report = harness.report("tensor-parallel", started, {**settings, "model": model.describe()},

@@ -2,18 +2,12 @@
 own (issue 40) and, with --before DIR, an older checkout's serve.py (the engine on a thread)
 run alternately with it.
 
-serve.py runs with TINY_LLM_STAMP_TOKENS=1: every stream chunk also carries
-`tiny_llm_sampled_at`, the engine's time.monotonic() when the step that sampled its tokens ended
-(one clock for every process of the machine). A run: --streams greedy chat streams at once
-("concurrent"), then --sequential one after the other ("sequential"). A chunk's delivery time is
-its arrival minus its stamp; a "burst start" is a stream whose first two events (the role, then
-the first token, after the prefill) arrived within 1 ms of each other. --load N runs N busy
-processes beside the server (each stops by itself after 600 s at most).
+serve.py runs with TINY_LLM_STAMP_TOKENS=1: every stream chunk carries `tiny_llm_sampled_at`,
+the engine's time.monotonic() when the step that sampled its tokens ended. A run: --streams
+streams at once ("concurrent"), then --sequential one after the other. A chunk's delivery time
+is its arrival minus its stamp. --load N runs N busy processes beside the server.
 
-    pdm run bench-token-delivery [--model tiny] [--streams 8] [--sequential 8] [--max-tokens 64]
-                                 [--repeats 3] [--before DIR] [--load N]
-
-Writes benches/results/token-delivery-<model>-<host>.json (or --json-output).
+    pdm run bench-token-delivery [--model tiny] [--streams 8] [--before DIR] [--load N]
 """
 
 from __future__ import annotations
@@ -64,8 +58,7 @@ def run_server(root: Path, args, tmp: Path) -> dict[str, Any]:
 
 
 def stream(port: int, question: str, max_tokens: int, model: str) -> Chunks:
-    """(arrival, sampled) of every data event of one streamed chat, read raw (sampled: None
-    for the first, which carries the role and no token)."""
+    """(arrival, sampled) of every data event of one chat stream (the first, the role: None)."""
     body = {
         "model": model, "messages": [{"role": "user", "content": question}], "stream": True,
         "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
@@ -83,9 +76,8 @@ def stream(port: int, question: str, max_tokens: int, model: str) -> Chunks:
 
 
 def burst_start(chunks: Chunks) -> bool:
-    """The first two events arrived together: the role, sent when the request was accepted,
-    and the first token, sampled after the prompt's prefill (as a client that counts events
-    sees it), or the first two tokens although they were sampled apart."""
+    """The first two events arrived within 1 ms: the role, sent on acceptance, and the first
+    token, sampled after the prefill; or the first two tokens although sampled apart."""
     if len(chunks) < 2:
         return False
     (a0, s0), (a1, s1) = chunks[:2]

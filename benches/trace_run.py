@@ -2,9 +2,7 @@
 solution's own batch_generate (or mlx-lm's BatchGenerator) serves the whole trace at once, every
 request exactly its budget (ignore_eos=True), watched only through on_step (BatchRecorder).
 
-Also what the benchmarks on committed trace files share (prefix_cache, speculative): reading and
-checking such a file, writing a new one, the tokenizer mlx-lm gets for prompts of ids, and
-how one run's answers compare with another's.
+Also what the benchmarks on committed trace files share (prefix_cache, speculative).
 """
 
 from __future__ import annotations
@@ -14,6 +12,7 @@ import dataclasses
 import hashlib
 import json
 import random
+from collections import namedtuple
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,13 +24,15 @@ from tiny_llm_support.batch_recorder import BatchRecorder
 
 
 class WrongOutput(RuntimeError):
-    """A run did not generate what it was asked for: a request lost or duplicated, or not
-    exactly its budget of tokens."""
+    """A run did not generate what it was asked for."""
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be used; the message says why."""
 
 
 class TraceContent:
-    """For a dataclass whose fields are a whole trace: to_dict() for a report's JSON and a
-    run's spec (Trace(**d) makes it again), sha256() to name that content."""
+    """A dataclass whose fields are a whole trace (Trace(**d) makes it again), and its name."""
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -42,10 +43,8 @@ class TraceContent:
 
 @dataclass
 class Trace(TraceContent):
-    """Prompts as token ids, and how many tokens each request must generate."""
-
     prompts: list[list[int]]
-    output_budgets: list[int]
+    output_budgets: list[int]  # how many tokens each request must generate
 
     @property
     def prompt_tokens(self) -> int:
@@ -57,21 +56,16 @@ class Trace(TraceContent):
 
     @property
     def max_seq_len(self) -> int:
-        """The longest request: prompt plus output budget."""
         return max(len(p) + b for p, b in zip(self.prompts, self.output_budgets))
 
 
 def make_trace(
-    seed: int,
-    num_seqs: int,
-    input_len: tuple[int, int],
-    output_len: tuple[int, int],
-    token_ids: tuple[int, int],
-    excluded_ids: Sequence[int] = (),
-) -> Trace:
-    """A deterministic trace: lengths uniform in the closed ranges, ids uniform over
-    [low, high) less `excluded_ids`. Python's `random` keeps its stream stable across
-    versions, so a seed names the same trace everywhere."""
+    seed: int, num_seqs: int, input_len: tuple[int, int], output_len: tuple[int, int],
+    token_ids: tuple[int, int], excluded_ids: Sequence[int] = (),
+) -> Trace:  # fmt: skip
+    """Lengths uniform in the closed ranges, ids uniform over [low, high) less `excluded_ids`.
+    Python's `random` keeps its stream stable across versions: a seed names the same trace
+    everywhere."""
     excluded = set(excluded_ids)
     allowed = [i for i in range(*token_ids) if i not in excluded]
     if not allowed:
@@ -86,35 +80,24 @@ def make_trace(
 
 
 class NoTextTokenizer:
-    """The tokenizer handed to batch_generate with a trace: prompts are token ids already and
-    no text is wanted (a random-weight model has no tokenizer at all). EOS is ignored
-    (ignore_eos=True), so none is declared; the detokenizer keeps nothing."""
+    """The tokenizer of prompts that are ids already, whose answers need no text (a random-weight
+    model has none): batch_generate's, with no EOS (ignore_eos=True) and itself as a detokenizer
+    that keeps nothing; and in mlx-lm's TokenizerWrapper (mlx_lm_tokenizer), a Hugging Face
+    tokenizer with no vocabulary (so no thinking tokens), no chat template, no EOS of its own."""
 
     eos_token_ids: frozenset[int] = frozenset()
-
-    def detokenizer(self) -> _NoText:
-        return _NoText()
-
-
-class _NoText:
+    eos_token_id = chat_template = None
+    clean_up_tokenization_spaces = False
     text = ""
+
+    def detokenizer(self) -> NoTextTokenizer:
+        return self
 
     def add_token(self, token_id: int) -> None:
         pass
 
     def finalize(self) -> None:
         pass
-
-
-class IdsOnlyTokenizer:
-    """What mlx-lm's TokenizerWrapper and its naive detokenizer use of a Hugging Face
-    tokenizer, for prompts that are token ids already: no vocabulary (so no thinking tokens),
-    no chat template, no EOS of its own (the wrapper is given the EOS ids, if any), and every
-    id decodes to no text."""
-
-    chat_template = None
-    eos_token_id = None
-    clean_up_tokenization_spaces = False
 
     def get_vocab(self) -> dict[str, int]:
         return {}
@@ -126,9 +109,7 @@ class IdsOnlyTokenizer:
 def serve(
     api: ModuleType, model: Any, trace: Trace, options: dict[str, Any], pools: list | None = None
 ) -> dict[str, Any]:
-    """Serve `trace` with `api.batch_generate` (api: tiny_llm_ref or tiny_llm) under the
-    scheduler settings `options` (its keywords), on the paged caches `pools` where given:
-    the run's {"metrics": numbers, "raw": per-step and per-request seconds} (measured)."""
+    """api.batch_generate(**options) on the trace, on the paged caches `pools` where given."""
     rec = BatchRecorder()
     api.batch_generate(
         model, NoTextTokenizer(), trace.prompts, max_seq_len=trace.max_seq_len,
@@ -138,55 +119,9 @@ def serve(
     return measured(rec, trace, "batch_generate")
 
 
-def serve_mlx_lm(model: Any, trace: Trace, batch_size: int, prefill_step: int) -> dict[str, Any]:
-    """Serve `trace` with mlx-lm's BatchGenerator on an mlx-lm model: `batch_size` decode
-    slots, one prompt prefilled at a time in chunks of `prefill_step`, no stop tokens.
-
-    Each call of its next() is one decode step for the running requests followed by one
-    prompt chunk; it is reported to the recorder as one pass holding both, so decode gaps
-    include the chunk work, as for the course's alternate policy.
-    """
-    from mlx_lm.generate import BatchGenerator
-
-    rec = BatchRecorder()
-    gen = BatchGenerator(
-        model,
-        max_tokens=max(trace.output_budgets),
-        completion_batch_size=batch_size,
-        prefill_batch_size=1,
-        prefill_step_size=prefill_step,
-    )
-    uids = gen.insert(trace.prompts, list(trace.output_budgets))
-    seen = {uid: _Seen(i, prompt) for i, (uid, prompt) in enumerate(zip(uids, trace.prompts))}
-    done, passes = 0, 0
-    while done < len(uids):
-        prompt_responses, generation_responses = gen.next()
-        passes += 1
-        running = [r for r in seen.values() if r.generated and r.finished is False]
-        for response in prompt_responses:
-            request = seen[response.uid]
-            tokens = response.progress[0] - request.prefilled
-            request.prefilled = response.progress[0]
-            if tokens > 0:
-                rec.on_step(_Step("prefill", request, running, tokens, passes))
-        for response in generation_responses:
-            seen[response.uid].generated.append(response.token)
-        decoding = [seen[r.uid] for r in generation_responses]
-        if decoding:
-            rec.on_step(_Step("decode", None, decoding, len(decoding), passes))
-        for response in generation_responses:
-            if response.finish_reason is not None:
-                seen[response.uid].finished = True
-                done += 1
-                rec.on_step(_Step("finish", seen[response.uid], running, 0, passes))
-    gen.close()
-    return measured(rec, trace, "mlx-lm's BatchGenerator")
-
-
 @dataclass
 class _Seen:
-    """A request of the trace as the mlx-lm run saw it, shaped like the course's Request for
-    the recorder."""
+    """A request of the mlx-lm run, shaped like the course's Request for the recorder."""
 
     prompt_idx: int
     prompt_tokens: list[int]
@@ -196,20 +131,48 @@ class _Seen:
     eos_token_ids: frozenset[int] = frozenset()
 
 
-@dataclass
-class _Step:
-    kind: str
-    request: Any
-    slots: list
-    tokens: int
-    forward_pass: int
+_Step = namedtuple("_Step", "kind request slots tokens forward_pass")  # a BatchStep
+
+
+def serve_mlx_lm(model: Any, trace: Trace, batch_size: int, prefill_step: int) -> dict[str, Any]:
+    """mlx-lm's BatchGenerator on the trace, one prompt prefilled at a time. Each next() (one
+    decode step, then one prompt chunk) is reported as one pass: its decode gaps include the
+    chunk work, as for the course's alternate policy."""
+    from mlx_lm.generate import BatchGenerator
+
+    rec = BatchRecorder()
+    gen = BatchGenerator(
+        model, max_tokens=max(trace.output_budgets), completion_batch_size=batch_size,
+        prefill_batch_size=1, prefill_step_size=prefill_step,
+    )  # fmt: skip
+    uids = gen.insert(trace.prompts, list(trace.output_budgets))
+    seen = {uid: _Seen(i, prompt) for i, (uid, prompt) in enumerate(zip(uids, trace.prompts))}
+    passes = 0
+    while not all(r.finished for r in seen.values()):
+        prompt_responses, generation_responses = gen.next()
+        passes += 1
+        running = [r for r in seen.values() if r.generated and not r.finished]
+        for response in prompt_responses:
+            request = seen[response.uid]
+            tokens = response.progress[0] - request.prefilled
+            request.prefilled = response.progress[0]
+            if tokens > 0:
+                rec.on_step(_Step("prefill", request, running, tokens, passes))
+        decoding = [seen[r.uid] for r in generation_responses]
+        for request, response in zip(decoding, generation_responses):
+            request.generated.append(response.token)
+        if decoding:
+            rec.on_step(_Step("decode", None, decoding, len(decoding), passes))
+        for request, response in zip(decoding, generation_responses):
+            if response.finish_reason is not None:
+                request.finished = True
+                rec.on_step(_Step("finish", request, running, 0, passes))
+    gen.close()
+    return measured(rec, trace, "mlx-lm's BatchGenerator")
 
 
 def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
-    """The run's numbers once its server returned: throughput, counts, and the median, p95
-    and max (ms) of the decode steps, decode gaps, TTFTs and prefill chunks; and every one of
-    those times (s). Every request must have generated exactly its budget, except requests a
-    bounded page pool refused."""
+    """The run's "metrics" and "raw" times, once each request generated exactly its budget."""
     rec.stop()
     n = len(trace.prompts)
     refused = sorted(i for i, r in rec.requests.items() if r.stop == "refused")
@@ -230,20 +193,15 @@ def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
     }
     served_prompts = sum(len(p) for i, p in enumerate(trace.prompts) if i not in refused)
     metrics = {
-        "wall_s": rec.wall,
-        "requests": n,
-        "prompt_tokens": trace.prompt_tokens,
-        "output_tokens": sum(want),
-        "output_tokens_per_s": rec.output_tokens_per_s(),
+        "wall_s": rec.wall, "requests": n, "prompt_tokens": trace.prompt_tokens,
+        "output_tokens": sum(want), "output_tokens_per_s": rec.output_tokens_per_s(),
         "requests_per_s": (n - len(refused)) / rec.wall,  # requests served, not refused
-        "decode_steps": len(times["decode_step"]),
-        "decode_tokens": rec.decode_tokens(),
+        "decode_steps": len(times["decode_step"]), "decode_tokens": rec.decode_tokens(),
         "decode_gaps": len(times["decode_gap"]),
-        "prefill_chunks": sum(len(r.chunks) for r in requests),
-        "refused": len(refused),
+        "prefill_chunks": sum(len(r.chunks) for r in requests), "refused": len(refused),
         "preemptions": sum(r.preemptions for r in requests),
         "recomputed_tokens": rec.prefill_tokens() - served_prompts,
-    }
+    }  # fmt: skip
     for name in ("decode_step", "decode_gap", "ttft", "prefill_chunk"):
         ms = summarize([t for t in times[name] if t is not None], 1e3)
         metrics |= {f"{name}_ms_{stat}": ms[stat] for stat in ("median", "p95", "max")}
@@ -254,16 +212,10 @@ def measured(rec: BatchRecorder, trace: Trace, server: str) -> dict[str, Any]:
 # --- committed trace files ---------------------------------------------------------------
 
 
-class TraceError(ValueError):
-    """A trace file that cannot be used; the message says why."""
-
-
 def read_trace_file(
     path: Path, schema: str, problem: Callable[[dict[str, Any]], str | None]
 ) -> tuple[dict[str, Any], str]:
-    """A trace file's JSON object, of `schema`, and the SHA-256 of the file's bytes. A TraceError
-    for a file that cannot be used: problem(data) says what its content lacks (None: nothing),
-    and its max_tokens (every answer's budget) must be an integer >= 1."""
+    """A trace file's JSON and the SHA-256 of its bytes; problem(data) says what it lacks."""
     try:
         raw = path.read_bytes()
         data = json.loads(raw)
@@ -280,48 +232,33 @@ def read_trace_file(
 
 
 def is_token_ids(ids: Any) -> bool:
-    """Whether `ids` is a non-empty list of token ids (integers >= 0)."""
+    """A non-empty list of integers >= 0."""
     return isinstance(ids, list) and bool(ids) and all(type(t) is int and t >= 0 for t in ids)
 
 
 def load_trace(
-    p: argparse.ArgumentParser,
-    path: Path,
-    read: Callable[[Path], tuple],
-    committed: tuple[Path, str],
-    remake: str,
-) -> tuple:
-    """What read(path) returns (a tuple ending with the SHA-256 of the file's bytes), then
-    whether the file is the committed trace (is_committed_trace); argparse's error for a file
-    that cannot be used."""
+    p: argparse.ArgumentParser, path: Path, read: Callable[[Path], tuple],
+    committed: tuple[Path, str], remake: str,
+) -> tuple:  # fmt: skip
+    """read(path) (ending with the file's SHA-256), and whether it is the committed trace at
+    `committed` = (path, SHA-256): argparse's error for a file that cannot be used, or for the
+    committed one with other bytes (results under one name come from one trace)."""
     try:
         read_back = read(path)
     except TraceError as e:
         p.error(str(e))
-    return (*read_back, is_committed_trace(p, path, read_back[-1], committed, remake))
-
-
-def is_committed_trace(
-    p: argparse.ArgumentParser, path: Path, sha: str, committed: tuple[Path, str], remake: str
-) -> bool:
-    """Whether the trace file at `path` (bytes of SHA-256 `sha`) is the committed one,
-    `committed` = (its path, its SHA-256); argparse's error when it is but its bytes changed, so
-    that results under one name always come from the same trace. `remake` says how to make
-    it again."""
-    committed_path, committed_sha = committed
+    sha, (committed_path, committed_sha) = read_back[-1], committed
     is_committed = path.resolve() == committed_path
     if is_committed and sha != committed_sha:
         p.error(
             f"{path} has SHA-256 {sha}, the committed trace has {committed_sha}: the trace file "
             f"changed ({remake} and update DEFAULT_TRACE_SHA256 together)"
         )
-    return is_committed
+    return (*read_back, is_committed)
 
 
 def trace_text(head: dict[str, Any], body: dict[str, str]) -> str:
-    """A trace file's text: every field of `head` on a line of its own (keys sorted within),
-    then every field of `body`, its JSON text laid out by the caller, so that a diff of the
-    file stays readable."""
+    """A trace file's text, a field a line (a diff stays readable); `body`: JSON text."""
     fields = [f"  {json.dumps(k)}: {json.dumps(v, sort_keys=True)}" for k, v in head.items()]
     fields += [f"  {json.dumps(k)}: {text}" for k, text in body.items()]
     return "{\n" + ",\n".join(fields) + "\n}\n"
@@ -330,22 +267,19 @@ def trace_text(head: dict[str, Any], body: dict[str, str]) -> str:
 def write_trace_file(path: Path, text: str) -> None:
     """A new trace file (ASCII), and a line with its SHA-256 (for DEFAULT_TRACE_SHA256)."""
     replace_file(path, text, encoding="ascii")
-    sha = hashlib.sha256(text.encode("ascii")).hexdigest()
-    log(f"wrote {path}: sha256 {sha}")
+    log(f"wrote {path}: sha256 {hashlib.sha256(text.encode('ascii')).hexdigest()}")
 
 
 def mlx_lm_tokenizer(eos_token_ids: Sequence[int] = ()) -> Any:
-    """The tokenizer mlx-lm's stream_generate gets for prompts of ids: IdsOnlyTokenizer in
-    mlx-lm's TokenizerWrapper, ending an answer at `eos_token_ids` (none: EOS ignored)."""
+    """For stream_generate on prompts of ids; no `eos_token_ids`: EOS ignored."""
     from mlx_lm.tokenizer_utils import TokenizerWrapper
 
-    return TokenizerWrapper(IdsOnlyTokenizer(), eos_token_ids=sorted(eos_token_ids))
+    return TokenizerWrapper(NoTextTokenizer(), eos_token_ids=sorted(eos_token_ids))
 
 
 def compare_answers(answers: list[dict[str, Any]], reference: list[dict[str, Any]]) -> dict:
-    """How each answer (a dict with "token_ids" and "text") compares with the reference's answer
-    at the same place: "ids" and "texts", how many differ; "first", None where no ids differ,
-    else (the first answer whose ids differ, the first token where they do)."""
+    """How many answers' "ids" and "texts" differ from the reference's, and "first": None or
+    (the first answer whose ids differ, the first token where they do)."""
     pairs = list(zip(answers, reference))
     differ = [i for i, (a, b) in enumerate(pairs) if a["token_ids"] != b["token_ids"]]
     first = None

@@ -1,10 +1,8 @@
 """Run by llama-cpp's own Python (benches/model_anchors.py): one stream through llama.cpp, timed.
-
-Reads a JSON spec on stdin: {"model": a GGUF file, "prompt": token ids, "decode_tokens": N,
-"warmup": W, "threads": T, "n_ctx": C}. Prefills the prompt in one call (batches of 512 tokens,
-llama.cpp's default), then decodes W + N greedy tokens one call each (argmax of the logits in
-NumPy: microseconds against a step's milliseconds), and prints one line, ANCHOR_RESULT and JSON:
-prefill seconds, the N timed steps' seconds, the first tokens, the GGUF's weight bytes.
+Reads a JSON spec on stdin (model: a GGUF file, prompt, decode_tokens, warmup, threads, n_ctx),
+prefills the prompt in one call, then decodes warmup + decode_tokens greedy tokens one call each,
+and prints ANCHOR_RESULT and JSON: prefill seconds, the timed steps' seconds, the first tokens,
+the GGUF's weight bytes.
 """
 
 import json
@@ -15,11 +13,10 @@ import gguf
 import llama_cpp
 import numpy as np
 
-RESULT = "ANCHOR_RESULT "  # the line model_anchors.py reads
-
 
 def next_token(llm: llama_cpp.Llama) -> int:
-    logits = llm._ctx.get_logits_ith(-1)  # the last evaluated position's logits, [vocab]
+    """The argmax of the last position's logits (microseconds against a step's milliseconds)."""
+    logits = llm._ctx.get_logits_ith(-1)  # [vocab]
     return int(np.ctypeslib.as_array(logits, shape=(llm.n_vocab(),)).argmax())
 
 
@@ -31,12 +28,12 @@ def main() -> int:
     llm.eval(prompt[:32])  # warm-up: the thread pool and the weights' first touch
     llm.reset()
     t0 = time.perf_counter()
-    llm.eval(prompt)  # prompt [L] -> the cache holds L positions
+    llm.eval(prompt)  # in batches of 512 tokens (n_batch, llama.cpp's default)
     prefill_s = time.perf_counter() - t0
     tokens, steps = [next_token(llm)], []
     for _ in range(spec["warmup"] + spec["decode_tokens"]):
         t0 = time.perf_counter()
-        llm.eval(tokens[-1:])  # one position
+        llm.eval(tokens[-1:])
         tokens.append(next_token(llm))
         steps.append(time.perf_counter() - t0)
     reader = gguf.GGUFReader(spec["model"])
@@ -44,7 +41,7 @@ def main() -> int:
            "weight_bytes": int(sum(t.n_bytes for t in reader.tensors)),
            "version": llama_cpp.__version__,
            "system_info": llama_cpp.llama_print_system_info().decode().strip()}  # fmt: skip
-    print(RESULT + json.dumps(out), flush=True)
+    print("ANCHOR_RESULT " + json.dumps(out), flush=True)  # the line model_anchors.py reads
     return 0
 
 

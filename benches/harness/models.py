@@ -62,25 +62,11 @@ _QWEN3_COMMON: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 EMBEDDED_CONFIGS: dict[str, dict[str, Any]] = {
-    "qwen3-0.6b": {
-        **_QWEN3_COMMON,
-        "hidden_size": 1024,
-        "intermediate_size": 3072,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-    },
-    "qwen3-1.7b": {
-        **_QWEN3_COMMON,
-        "hidden_size": 2048,
-        "intermediate_size": 6144,
-        "num_hidden_layers": 28,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 8,
-        "head_dim": 128,
-    },
-}
+    name: {**_QWEN3_COMMON, "hidden_size": hidden, "intermediate_size": 3 * hidden,
+           "num_hidden_layers": 28, "num_attention_heads": 16, "num_key_value_heads": 8,
+           "head_dim": 128}
+    for name, hidden in (("qwen3-0.6b", 1024), ("qwen3-1.7b", 2048))
+}  # fmt: skip
 _QWEN3_FIRST_CONTROL_ID = 151643
 
 
