@@ -303,6 +303,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> BenchMod
         args.prefill_lens = [n for n in args.prefill_lens if n <= 512] or [128]
         args.repeats, args.long_repeats = min(args.repeats, 2), min(args.long_repeats, 2)
         args.decode_steps = min(args.decode_steps, 4)
+    if args.ablate and args.batch_cache == "ragged":  # mx.fast.rope: one start per row
+        p.error("--ablate swaps in mx.fast.rope, which takes one start position per row, not a "
+                "ragged pass's position per token: use --batch-cache dense or batching")  # fmt: skip
     if harness.package_version("mlx-lm") is None:
         p.error("mlx-lm is not installed (it is in the dev group: pdm sync -G dev)")
     model = harness.bench_model_from_args(p, args)

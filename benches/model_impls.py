@@ -55,18 +55,23 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 
 class SwappedAttention:
-    """A model's attention layer with another attention core: the layer's own projections,
-    QK-norm, RoPE and cache, then core(q, keys, values, mask=...) and its output projection."""
+    """A model's attention layer with another attention core: the layer's projections, QK-norm,
+    RoPE and cache (every attribute is the layer's), but `attend` runs core(q, keys, values,
+    mask=...), so that every forward pass that attends through the layer uses the core."""
 
-    def __init__(self, layer: Any, core: Callable[..., mx.array], linear: Callable[..., mx.array]):
-        self.layer, self.core, self.linear = layer, core, linear
+    def __init__(self, layer: Any, core: Callable[..., mx.array]):
+        self.layer, self.core = layer, core
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.layer, name)
 
     def __call__(self, x: mx.array, offset: Any, cache: Any, mask: Any = None) -> mx.array:
         q, k, v = self.layer.qkv(x, offset)  # q [B, H, L, D]; k, v [B, H_kv, L, D]
+        return self.layer.project(self.attend(q, k, v, cache, mask))  # [B, L, E]
+
+    def attend(self, q: mx.array, k: mx.array, v: mx.array, cache: Any, mask: Any) -> mx.array:
         keys, values, cache_mask = cache.update_and_fetch(k, v)  # [B, H_kv, S, D]
-        out = self.core(q, keys, values, mask=mask if cache_mask is None else cache_mask)
-        b, _, length, _ = out.shape  # [B, H, L, D]
-        return self.linear(out.swapaxes(1, 2).reshape(b, length, -1), self.layer.wo)  # [B, L, E]
+        return self.core(q, keys, values, mask=mask if cache_mask is None else cache_mask)
 
 
 class RefImpl:
@@ -93,7 +98,7 @@ class RefImpl:
                 layer.self_attn.rope = shared
         if attention is not None:
             for layer in layers:
-                layer.self_attn = SwappedAttention(layer.self_attn, attention, pkg.linear)
+                layer.self_attn = SwappedAttention(layer.self_attn, attention)
 
     def prefill(self, tokens: mx.array) -> tuple[mx.array, list]:
         cache = self.model.create_kv_cache()

@@ -259,6 +259,38 @@ def test_bench_model_swaps_parts_without_touching_the_package(tiny_dir):
     assert tiny_llm_ref.qwen3.scaled_dot_product_attention_grouped is grouped
 
 
+def test_bench_model_swapped_attention_serves_a_ragged_pass(tiny_dir):
+    """The hybrid policy's ragged pass attends through each layer's `attend`: the swapped core
+    must run there too (not the package's own), with the same logits as the plain model."""
+    ckpt = load_checkpoint(tiny_dir)
+    calls = []
+
+    def spy(q, k, v, mask=None):
+        calls.append(q.shape)
+        return impls.fast_attention(q, k, v, mask=mask)
+
+    kv = impls.random_context(ckpt.config, 2, 8, mx.float32, seed=0)  # 2 rows, 8 positions
+    steps = {}
+    for name, parts in (("plain", {}), ("swapped", {"attention": spy})):
+        impl = impls.RefImpl(tiny_llm_ref, ckpt, "ragged", **parts)
+        cache, offset = impl.decode_cache(kv)
+        calls.clear()
+        steps[name] = impl.decode_step(mx.array([[5], [3]]), cache, offset)[0]
+    layers = ckpt.config.num_hidden_layers
+    assert len(calls) == 2 * layers, (
+        f"the swapped attention ran {len(calls)} times in a ragged step of 2 rows over {layers} "
+        "layers: forward_ragged calls self_attn.attend, which the swap must replace"
+    )
+    assert mx.allclose(steps["swapped"], steps["plain"], atol=1e-4).item()
+
+
+def test_bench_model_refuses_the_ablation_on_ragged_passes(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench_model.main(["--model", "tiny", "--ablate", "--batch-cache", "ragged"])
+    assert exit_info.value.code == 2
+    assert "mx.fast.rope" in capsys.readouterr().err
+
+
 def test_bench_model_cli_writes_its_report(tiny_dir, tmp_path):
     out = tmp_path / "model.json"
     args = ["--model", str(tiny_dir), "--prefill-lens", "16", "--decode-contexts", "16"]
