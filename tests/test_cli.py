@@ -285,15 +285,21 @@ ENTRY_POINTS = {
     "bench-long-context": ["benches.long_context", "--no-openblas"],
     "bench-moe": ["benches.moe", "--no-openblas"],
     "bench-serving": ["benches.serving", "--servers", "tiny-llm", "--no-openblas"],
+    "bench-structured-output": ["benches.structured_output"],
+    "bench-ragged-step": ["benches.ragged_step"],
+    "bench-own-kernel": ["benches.own_kernel"],
+    "bench-paged-decode": ["benches.paged_decode"],
+    "bench-few-row": ["benches.few_row"],
 }
 ALL = ("main", "batch-main", "serve")
 SERVERS = ("batch-main", "serve")  # the scheduler's flags
 RANKS = ("main", "batch-main")  # --tp
 BENCHES = tuple(name for name in ENTRY_POINTS if name.startswith("bench-"))
-# the benchmarks that check a checkpoint's --model before their first run (bench-moe has its own
-# fixed shape), and those of them that read its weights (bench-quantization takes only its
+# the benchmarks that check a checkpoint's --model before their first run (the others have their
+# own fixed shapes), and those of them that read its weights (bench-quantization takes only its
 # shape, with random weights)
-NO_CHECKPOINT = ("bench-moe",)
+NO_CHECKPOINT = ("bench-moe", "bench-structured-output", "bench-ragged-step", "bench-own-kernel",
+                 "bench-paged-decode", "bench-few-row")  # fmt: skip
 BENCH_MODELS = tuple(b for b in BENCHES if b not in NO_CHECKPOINT)
 BENCH_WEIGHTS = tuple(b for b in BENCH_MODELS if b != "bench-quantization")
 
@@ -374,6 +380,16 @@ OUTPUT_PATHS = [
     (["bench-chunked-prefill", "bench-flash-attention", "bench-prefix-cache"],
      ["--plot-output", "%a-file/out.png"], 2, ["cannot write", "a-file is not a folder"]),
 ]  # fmt: skip
+
+
+def test_every_benchmark_command_is_checked_here():
+    """Each `pdm run bench-*` of pyproject.toml has its entry in ENTRY_POINTS, so that its bad
+    output paths (and, taking a checkpoint, bad checkpoints) are refused before its first run."""
+    pyproject = (ROOT / "pyproject.toml").read_text()  # tomllib is Python 3.11+
+    commands = set(re.findall(r"^(bench-[a-z-]+) = ", pyproject, flags=re.MULTILINE))
+    assert "bench-model" in commands
+    missing = sorted(commands - set(BENCHES))
+    assert not missing, f"add {missing} to ENTRY_POINTS (and NO_CHECKPOINT if it takes no --model)"
 
 
 def each(table: list, kind: str) -> list:
