@@ -21,7 +21,7 @@ from tiny_llm_support.extension import ExtensionBuildError
 from tiny_llm_support.quant_format import LINEAR_KERNELS
 
 from .basics import linear
-from .kernels import few_row_matmul, few_row_quantized_matmul
+from .kernels import StandInWeight, few_row_matmul, few_row_quantized_matmul
 from .mlp import Qwen3MLP
 from .quantize import QuantizedWeight
 
@@ -30,28 +30,10 @@ from .quantize import QuantizedWeight
 FEW_ROW_MAX_ROWS = 16
 
 
-class FewRowWeight:
+class FewRowWeight(StandInWeight):
     """A linear layer's weight [O, I] (float, or a QuantizedWeight), standing in for it where the
     model uses one: `linear(x, w)` multiplies through the kernel when the pass is small, and
     `w[ids]` looks up rows (a tied embedding), as the weight itself would."""
-
-    def __init__(self, weight: mx.array | QuantizedWeight):
-        self.weight = weight
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.weight.shape)
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.weight.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-    def __getitem__(self, rows) -> mx.array:
-        return self.weight[rows]
 
     def linear(self, x: mx.array) -> mx.array:
         """x [..., I] -> x @ W.T [..., O]."""

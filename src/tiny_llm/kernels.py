@@ -12,6 +12,30 @@ import mlx.core as mx
 from tiny_llm_support.extension import load
 
 
+class StandInWeight:
+    """A weight that a kernel multiplies, standing in for the array where the model uses one:
+    `w.shape`, `w.dtype`, `w.nbytes` and `w[rows]` are the wrapped weight's (a subclass adds the
+    product that runs the kernel)."""
+
+    def __init__(self, weight):
+        self.weight = weight  # an mx.array, or a QuantizedWeight
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.weight.shape)
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        return self.weight.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes
+
+    def __getitem__(self, rows) -> mx.array:
+        return self.weight[rows]
+
+
 def extension():
     """This package's C++ module, built first when its sources changed."""
     return load(Path(__file__).parent)

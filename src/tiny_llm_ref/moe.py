@@ -20,36 +20,18 @@ import mlx.core as mx
 import numpy as np
 
 from .basics import linear, silu
-from .kernels import grouped_matmul
+from .kernels import StandInWeight, grouped_matmul
 from .quantize import QuantizedWeight
 from .tensor_parallel import keep, rank_slice
 
 EXPERT_MATMULS = ("gather-mm", "own-kernel")  # how the grouped pairs multiply (Week 5 Day 3)
 
 
-class OwnKernelExperts:
+class OwnKernelExperts(StandInWeight):
     """A float expert stack [E, out, in] whose gathered matmul (gather_linear) runs the course's
     grouped_matmul kernel (Week 5 Day 3) instead of mx.gather_mm. It stands in for the array where
     the block uses one, as QuantizedWeight does for a quantized weight: `w.shape`, `w.dtype`,
     `w[e]` (expert e's matrix, for experts_loop)."""
-
-    def __init__(self, weight: mx.array):
-        self.weight = weight
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.weight.shape
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self.weight.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes
-
-    def __getitem__(self, index) -> mx.array:
-        return self.weight[index]
 
     def gather_linear(self, x: mx.array, experts: mx.array) -> mx.array:
         """x [M, 1, in] @ W[experts[m]].T for every m -> [M, 1, out]; experts [M] sorted."""
