@@ -26,6 +26,7 @@ TOOLS_FOOTER = (
     "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
     '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
 )
+OPEN, CLOSE = "<tool_call>", "</tool_call>"  # around each call the model makes
 
 
 def template_knows_tools(tokenizer: Any) -> bool:
@@ -88,4 +89,9 @@ def _call_block(call: dict[str, Any]) -> str:
     arguments = function["arguments"]
     if not isinstance(arguments, str):
         arguments = json.dumps(arguments, ensure_ascii=False)
-    return f'<tool_call>\n{{"name": "{function["name"]}", "arguments": {arguments}}}\n</tool_call>'
+    return call_block(function["name"], arguments)
+
+
+def call_block(name: str, arguments: str) -> str:
+    """One call as Qwen3 writes it: the function's name, then its arguments' JSON text."""
+    return f'{OPEN}\n{{"name": "{name}", "arguments": {arguments}}}\n{CLOSE}'

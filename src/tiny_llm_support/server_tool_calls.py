@@ -25,7 +25,7 @@ import json
 import uuid
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
+from .chat_format import CLOSE, OPEN
 
 
 class ToolCallParser:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from .chat_format import call_block
 from .server_formats import Grammars, SchemaError, StrictBody
 
 NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"  # OpenAI's rule for a function's name
@@ -162,11 +163,12 @@ def call_grammar(functions: list[FunctionDef]) -> str:
     """The Lark grammar of one call to one of `functions`: the block in Qwen3's format, the
     function's name fixed, its arguments JSON that fits its schema."""
     rules = [f"start: {' | '.join(f'call_{i}' for i in range(len(functions)))}"]
-    tail = _lark_string("}\n</tool_call>")
     for i, function in enumerate(functions):
-        head = _lark_string(f'<tool_call>\n{{"name": "{function.name}", "arguments": ')
+        head, tail = call_block(function.name, "\0").split("\0")  # around the arguments
         schema = {**function.arguments_schema(), "x-guidance": ARGUMENT_JSON}
-        rules.append(f"call_{i}: {head} %json {json.dumps(schema)} {tail}")
+        rules.append(
+            f"call_{i}: {_lark_string(head)} %json {json.dumps(schema)} {_lark_string(tail)}"
+        )
     return "\n".join(rules)
 
 
