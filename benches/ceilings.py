@@ -14,7 +14,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from benches.harness import log
+from benches.harness import log, plan_runs
 from tiny_llm_support.cli import DTYPES
 
 
@@ -23,6 +23,21 @@ def timed(fn: Callable[[], Any]) -> float:
     t0 = time.perf_counter()
     mx.eval(fn())
     return time.perf_counter() - t0
+
+
+def take_turns(
+    fns: dict[str, Callable[[], Any]], rounds: int, warmup: int = 0, after=lambda name: None
+) -> dict[str, list[float]]:
+    """Seconds of each fn (timed), the fns taking turns in plan_runs' order (forward, then
+    reversed, ...: a machine that drifts favours none of them) for warmup + rounds rounds, the
+    first `warmup` not kept; after(name) follows every call."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for r, _, name in plan_runs(list(fns), warmup + rounds):
+        seconds = timed(fns[name])
+        if r >= warmup:
+            times[name].append(seconds)
+        after(name)
+    return times
 
 
 def sample(fn: Callable[[], Any], repeats: int, budget_s: float) -> list[float]:

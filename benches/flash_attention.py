@@ -24,6 +24,7 @@ import mlx.core as mx
 
 from benches import harness
 from benches import model_impls as impls
+from benches.ceilings import take_turns
 from benches.harness import log
 from benches.model_impls import KV
 from tiny_llm_support import choose_device
@@ -56,19 +57,14 @@ def measure(runs: dict[str, Callable], reference: str, args, after=lambda name: 
     want = once(reference)
     errors = {name: mx.abs(once(name) - want).max().item() for name in runs}
     peaks = {name: peak_bytes(partial(once, name)) for name in runs}
-    samples: dict[str, list[float]] = {name: [] for name in runs}
-    for r, _, name in harness.plan_runs(list(runs), args.warmup + args.repeats):
-        start = time.perf_counter()
-        mx.eval(runs[name]())
-        if r >= args.warmup:
-            samples[name].append(time.perf_counter() - start)
-        after(name)
-    return {
-        name: (errors[name], {"median_ms": statistics.median(s) * 1000, "min_ms": min(s) * 1000,
-                              "samples_ms": [t * 1000 for t in s], "peak_bytes": peaks[name],
-                              "peak_mib": peaks[name] / 2**20})
-        for name, s in samples.items()
-    }  # fmt: skip
+    samples = take_turns(runs, args.repeats, args.warmup, after)
+    return {name: (errors[name], timing(samples[name], peaks[name])) for name in runs}
+
+
+def timing(samples: list[float], peak: int) -> dict[str, Any]:
+    return {"median_ms": statistics.median(samples) * 1000, "min_ms": min(samples) * 1000,
+            "samples_ms": [s * 1000 for s in samples], "peak_bytes": peak,
+            "peak_mib": peak / 2**20}  # fmt: skip
 
 
 def attention_rows(pkg, length: int, args: argparse.Namespace) -> list[dict[str, Any]]:

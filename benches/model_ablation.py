@@ -8,8 +8,8 @@ from typing import Any
 
 import mlx.core as mx
 
-from benches.ceilings import timed
-from benches.harness import log, median, plan_runs
+from benches.ceilings import take_turns
+from benches.harness import log, median
 from benches.model_impls import cache_arrays
 
 
@@ -92,10 +92,8 @@ def ablate_ops(
     results = []
 
     def record(name, regime, per_layer, tokens, plain, fast, diff, note):
-        times = {"plain": [], "fast": []}
-        for _, _, which in plan_runs(["plain", "fast"], repeats):
-            times[which].append(timed(plain if which == "plain" else fast) / calls)
-        p_ms, f_ms = 1000 * median(times["plain"]), 1000 * median(times["fast"])
+        times = take_turns({"plain": plain, "fast": fast}, repeats)
+        p_ms, f_ms = (1000 * median(times[which]) / calls for which in ("plain", "fast"))
         saved = (p_ms - f_ms) * per_layer * cfg.num_hidden_layers / tokens
         results.append({"op": name, "regime": regime, "plain_ms": p_ms, "fast_ms": f_ms,
                         "speedup": p_ms / f_ms if f_ms > 0 else None, "calls_per_layer": per_layer,

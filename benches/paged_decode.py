@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from benches import harness
-from benches.ceilings import timed
+from benches.ceilings import take_turns, timed
 from tiny_llm_support.cli import int_at_least
 
 H_Q, H_KV, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
@@ -94,9 +94,7 @@ def measure_context(batch: int, context: int, page_size: int, iters: int, seed: 
         if err > AGREEMENT_ATOL:
             raise Disagreement(f"{name} at {context} positions: off by {err:.3g} from dense-sdpa")
         timed(fn)  # a warm-up
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _, _, name in harness.plan_runs(list(fns), iters):  # the order reversed every round
-        times[name].append(timed(fns[name]))
+    times = take_turns(fns, iters)  # the order reversed every round
     kv_bytes = 2 * batch * H_KV * context * HEAD_DIM * 4
     record: dict[str, Any] = {"context": context, "kv_mb": kv_bytes / 1e6}
     for name, ts in times.items():
