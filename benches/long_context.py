@@ -90,11 +90,13 @@ def forward_each(model, caches, pieces: list[list[int]], start: int) -> tuple[li
 
 
 def measure(spec: dict[str, Any]) -> dict[str, Any]:
-    """One run in its own process (`--child-spec FILE`): a rank of a ring prefill (ring_run), or
-    one window variant at one length: chunked prefill, then decode steps (the first untimed);
+    """One run in its own process (`--child-spec FILE`): a window variant or a ring rank."""
+    return window_run(spec) if spec["part"] == "window" else ring_run(spec)
+
+
+def window_run(spec: dict[str, Any]) -> dict[str, Any]:
+    """One window variant at one length: chunked prefill, then decode steps (the first untimed);
     its logits (last prompt token, last step) go to spec["logits"]."""
-    if spec["part"] == "ring":
-        return ring_run(spec)
     t0 = time.perf_counter()
     s, variant, length = spec["settings"], spec["variant"], spec["prompt_len"]
     bench_model, ckpt, api, ids = load(spec)

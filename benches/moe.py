@@ -167,8 +167,9 @@ def bench_block(pkg, ckpt: Checkpoint, mlx_lm, args, ceilings) -> tuple[list, li
                          "gflop_per_s": gflop_per_s,
                          "share_of_matmul": gflop_per_s / ceilings["matmul_ceiling_gflops"],
                          })  # fmt: skip
-        if case == "prefill" and OWN_KERNEL in blocks:  # own-kernel's row is the last one
-            breakdown = kernel_breakdown(pkg, blocks[OWN_KERNEL], x, args.repeats, t)
+        if case == "prefill" and OWN_KERNEL in blocks:
+            own_s = harness.median([s["s"] for s in samples[OWN_KERNEL]])
+            breakdown = kernel_breakdown(pkg, blocks[OWN_KERNEL], x, args.repeats, own_s)
     return rows, checks, breakdown
 
 
@@ -201,8 +202,11 @@ def bench_model(pkg, ckpt: Checkpoint, mlx_lm, args, ceilings) -> tuple[list, li
     """Rows per variant of the whole model, and the agreement checks."""
     runs: dict[str, Any] = {}
     for name in variants(args):  # the same weight arrays, one path each
-        runs[name] = mlx_lm if name == "mlx-lm" else RefImpl(pkg, ckpt, "dense")
-        for layer in runs[name].model.layers if name != "mlx-lm" else []:
+        if name == "mlx-lm":
+            runs[name] = mlx_lm
+            continue
+        runs[name] = RefImpl(pkg, ckpt, "dense")
+        for layer in runs[name].model.layers:
             layer.mlp.grouped = name != "loop"  # own-kernel: grouped, through the kernel
             if name == OWN_KERNEL:
                 own_kernel_moe(layer.mlp)

@@ -59,18 +59,13 @@ def read_trace(name: str, path: Path, limit: int | None, max_tokens: int | None 
     """The first `limit` requests of a trace (agent: every first turn, then every second...),
     each asking for `max_tokens` tokens if given; an agent trace's token ids as words of the tiny
     corpus that are one token each."""
-    import tokenizers
-
-    from tiny_llm_support.tiny_tokenizer import CORPUS, tiny_tokenizer_json
-
     raw = path.read_bytes()
     data, sha = json.loads(raw), hashlib.sha256(raw).hexdigest()
     if name == "chat":
         jobs = [Job(i, i, 0, r["prompt"], max_tokens or r["max_tokens"])
                 for i, r in enumerate(data["requests"][:limit])]  # fmt: skip
         return Trace(name, path, sha, "", jobs)
-    vocab = tokenizers.Tokenizer.from_str(tiny_tokenizer_json()).get_vocab()
-    words = sorted({w for w in re.findall(r"[A-Za-z]+", CORPUS) if len(w) > 1 and "Ġ" + w in vocab})
+    words = trace_words()
     text = lambda ids: "".join(" " + words[i % len(words)] for i in ids)
     conversations = data["conversations"]
     if limit is not None:  # enough conversations for `limit` turns
@@ -79,6 +74,16 @@ def read_trace(name: str, path: Path, limit: int | None, max_tokens: int | None 
     jobs = [Job(i, c, t, text(conversations[c][t]), max_tokens or data["max_tokens"])
             for i, (t, c) in enumerate(order[:limit])]  # fmt: skip
     return Trace(name, path, sha, text(data["system"]), jobs)
+
+
+def trace_words() -> list[str]:
+    """The words of the tiny corpus that are one token each (with their leading space)."""
+    import tokenizers
+
+    from tiny_llm_support.tiny_tokenizer import CORPUS, tiny_tokenizer_json
+
+    vocab = tokenizers.Tokenizer.from_str(tiny_tokenizer_json()).get_vocab()
+    return sorted({w for w in re.findall(r"[A-Za-z]+", CORPUS) if len(w) > 1 and "Ġ" + w in vocab})
 
 
 @dataclass

@@ -58,10 +58,8 @@ def draft_checkpoint(ckpt: Checkpoint, layers: int | None) -> Checkpoint:
 
 
 def engine_server(spec: dict[str, Any], mode: Mode, ckpt: Checkpoint, draft: Checkpoint | None):
-    """serve(prompts, batch_size, max_tokens) -> a row: every prompt at once through the
-    solution's Engine with a new proposer of the mode's, greedy, each step timed. Decode: the
-    steps that held no prompt chunk (the engine's DraftModel fills its cache with the prompt in
-    a request's first decode pass: for draft-* that counts as decode here)."""
+    """serve(prompts, batch_size, max_tokens) -> a row: serve_engine on the solution's Engine with
+    a new proposer of the mode's (a new one for each call)."""
     api = load_solution(spec["solution"])
     target = api.Qwen3Model(ckpt, max_seq_len=spec["max_seq_len"])
     if draft is not None:  # a model of its own, on the same weight arrays
@@ -79,35 +77,43 @@ def engine_server(spec: dict[str, Any], mode: Mode, ckpt: Checkpoint, draft: Che
                             policy="hybrid", speculative=proposer,
                             on_step=lambda step: kinds.append(step.kind))  # fmt: skip
         params = api.SamplingParams(max_tokens=max_tokens)
-        index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
-        outputs = [{"token_ids": [], "text": "", "finish_reason": None} for _ in prompts]
-        decode, passes, t0 = Counter(tokens=0, s=0.0, passes=0, rows=0), 0, time.perf_counter()
-        while engine.has_work:
-            kinds.clear()
-            before, t = engine.scheduler.passes, time.perf_counter()
-            outs = engine.step()
-            dt = time.perf_counter() - t
-            ran = engine.scheduler.passes - before  # the target's passes
-            passes += ran
-            for out in outs:
-                record = outputs[index[out.request_id]]
-                record["token_ids"] += out.token_ids
-                record["text"] += out.text
-                record["finish_reason"] = out.finish_reason or record["finish_reason"]
-            tokens = sum(len(out.token_ids) for out in outs)
-            if "prefill" not in kinds and tokens:  # (Counter.update adds)
-                decode.update(
-                    tokens=tokens, s=dt, passes=ran, rows=sum(bool(o.token_ids) for o in outs)
-                )
-        wall = time.perf_counter() - t0
-        if any(o["finish_reason"] is None for o in outputs):
-            raise trace_run.WrongOutput("a request never finished")
-        stats = engine.stats()
-        counts = {"passes": passes, "proposed": stats["tokens_proposed"],
-                  "accepted": stats["tokens_accepted"]}  # fmt: skip
-        return row_metrics(outputs, prompts, wall, decode, counts)
+        return serve_engine(engine, params, prompts, kinds)
 
     return serve
+
+
+def serve_engine(engine, params, prompts: list[list[int]], kinds: list[str]) -> dict[str, Any]:
+    """Every prompt at once through the engine, greedy, each step timed: a row. Decode: the steps
+    that held no prompt chunk (kinds: what the engine did in the step; the engine's DraftModel
+    fills its cache with the prompt in a request's first decode pass: for draft-* that counts as
+    decode here)."""
+    index = {engine.add_request(p, params): i for i, p in enumerate(prompts)}
+    outputs = [{"token_ids": [], "text": "", "finish_reason": None} for _ in prompts]
+    decode, passes, t0 = Counter(tokens=0, s=0.0, passes=0, rows=0), 0, time.perf_counter()
+    while engine.has_work:
+        kinds.clear()
+        before, t = engine.scheduler.passes, time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - t
+        ran = engine.scheduler.passes - before  # the target's passes
+        passes += ran
+        for out in outs:
+            record = outputs[index[out.request_id]]
+            record["token_ids"] += out.token_ids
+            record["text"] += out.text
+            record["finish_reason"] = out.finish_reason or record["finish_reason"]
+        tokens = sum(len(out.token_ids) for out in outs)
+        if "prefill" not in kinds and tokens:  # (Counter.update adds)
+            decode.update(
+                tokens=tokens, s=dt, passes=ran, rows=sum(bool(o.token_ids) for o in outs)
+            )
+    wall = time.perf_counter() - t0
+    if any(o["finish_reason"] is None for o in outputs):
+        raise trace_run.WrongOutput("a request never finished")
+    stats = engine.stats()
+    counts = {"passes": passes, "proposed": stats["tokens_proposed"],
+              "accepted": stats["tokens_accepted"]}  # fmt: skip
+    return row_metrics(outputs, prompts, wall, decode, counts)
 
 
 def serve_mlx_lm(model, draft, k: int | None, ckpt: Checkpoint, prompts, max_tokens: int) -> dict:
