@@ -25,7 +25,8 @@ H_Q, H_KV, HEAD_DIM = 16, 8, 128  # Qwen3-0.6B's attention
 VARIANTS = ("own-kernel", "own-plain", "paged-attention", "gather-sdpa", "dense-sdpa")
 AGREEMENT_ATOL = 1e-4
 TARGET_CONTEXT = 4096
-TARGETS = {"own_vs_paged_attention": 1.5, "own_over_dense_sdpa": 1.2}  # at least, at most
+TARGETS = {"own_vs_paged_attention": 1.5, "own_over_dense_sdpa": 1.2}
+AT_LEAST = {"own_vs_paged_attention"}  # the other target is a bound from above
 
 
 class Disagreement(RuntimeError):
@@ -143,7 +144,7 @@ def targets(summary: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, bound in TARGETS.items():
         value = summary[context][key]
-        met = value >= bound if key == "own_vs_paged_attention" else value <= bound
+        met = value >= bound if key in AT_LEAST else value <= bound
         out[key] = {"target": bound, "value": value, "met": met, "context": int(context)}
     return out
 
@@ -153,7 +154,7 @@ def summary_table(report: dict[str, Any]) -> str:
              *(f"{r[v]['ms']:.2f} ({r[v]['gbs']:.1f})" for v in VARIANTS),
              f"{r['own_vs_paged_attention']:.2f}", f"{r['own_over_dense_sdpa']:.2f}"]
             for context, r in report["summary"].items()]  # fmt: skip
-    goals = [f"{k} {'>=' if k == 'own_vs_paged_attention' else '<='} {t['target']}: "
+    goals = [f"{k} {'>=' if k in AT_LEAST else '<='} {t['target']}: "
              f"{t['value']:.2f}, {harness.met(t['met'])}"
              for k, t in report["targets"].items()]  # fmt: skip
     head = ["positions", "KV MB", *(f"{v} ms (GB/s)" for v in VARIANTS), "vs paged", "/ dense"]
