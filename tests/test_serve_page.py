@@ -43,7 +43,7 @@ def live(tmp_path_factory):
     s.stop()
 
 
-def chat(port: int, question: str, max_tokens: int = 12) -> dict:
+def chat(port: int, question: str, max_tokens: int = 12, ignore_eos: bool = False) -> dict:
     status, _, body = http_request(
         port,
         "POST",
@@ -52,6 +52,7 @@ def chat(port: int, question: str, max_tokens: int = 12) -> dict:
             "model": "tiny",
             "messages": [{"role": "user", "content": question}],
             "max_tokens": max_tokens,
+            "ignore_eos": ignore_eos,
         },
         headers=AUTH,
     )
@@ -122,7 +123,10 @@ def test_events_stream_the_engine_while_it_runs(live):
         }  # fmt: skip
         finished = first["stats"]["requests_finished"]
         answers = []
-        sender = threading.Thread(target=lambda: answers.append(chat(live.port, "Who are you?")))
+        # 48 tokens whatever the answer (~7 ms a step): decoding spans several snapshots, which
+        # come at most 20 a second; a short answer could start and end between two of them
+        ask = lambda: answers.append(chat(live.port, "Who are you?", 48, ignore_eos=True))
+        sender = threading.Thread(target=ask)
         sender.start()
         states, chunked, decoded = set(), False, False
         while True:
